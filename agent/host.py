@@ -1,0 +1,314 @@
+"""Host access: where the host's /proc, /sys, /dev and root are, host commands with a hard deadline, and
+filesystem calls in a child process with a deadline (at most one in flight per key).
+
+Why children: a thread blocked in stat(2) on a hung NFS mount sleeps in D state and cannot be cancelled;
+each retry from a thread leaks one more thread. A forked child can be SIGKILLed (NFS sleeps are
+TASK_KILLABLE), and one that still lingers is remembered, so no second child is started for that key.
+"""
+
+from __future__ import annotations
+
+import errno as errno_module
+import logging
+import os
+import pickle
+import select
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    returncode: int | None  # None: killed at the deadline or never started
+    stdout: str
+    stderr: str
+    duration: float
+    timed_out: bool = False
+    not_found: bool = False
+    permission_denied: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    @property
+    def output(self) -> str:
+        return self.stdout + ("\n" + self.stderr if self.stderr else "")
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    """Outcome of a filesystem call run in a child process."""
+
+    state: str  # "ok", "error", "timeout", "busy" (previous child for this key still stuck)
+    value: Any = None
+    errno: int | None = None
+    error: str = ""
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "ok"
+
+    @property
+    def hung(self) -> bool:
+        return self.state in ("timeout", "busy")
+
+    @property
+    def errno_name(self) -> str:
+        return errno_module.errorcode.get(self.errno or 0, str(self.errno))
+
+
+class ChildCalls:
+    """Runs a module-level function in a forked child with a deadline; one child in flight per key.
+
+    The function runs in the child only: it may use `os` and pure Python, must not log, take locks or
+    import (another thread may have held those locks at fork time). It returns a picklable value or
+    raises OSError; the errno comes back to the parent.
+    """
+
+    def __init__(self, max_lingering: int = 64) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, int] = {}  # key → pid of a child not yet reaped
+        self._max_lingering = max_lingering
+
+    def in_flight(self) -> dict[str, int]:
+        self.reap()
+        with self._lock:
+            return dict(self._in_flight)
+
+    def reap(self) -> None:
+        with self._lock:
+            for key, pid in list(self._in_flight.items()):
+                if _try_reap(pid):
+                    del self._in_flight[key]
+
+    def call(self, key: str, fn: Callable[..., Any], *args: Any, timeout: float) -> ChildResult:
+        self.reap()
+        with self._lock:
+            if key in self._in_flight:
+                return ChildResult("busy", error=f"previous check still stuck (pid {self._in_flight[key]})")
+            if len(self._in_flight) >= self._max_lingering:
+                return ChildResult("busy", error=f"{len(self._in_flight)} stuck children; not starting more")
+            read_fd, write_fd = os.pipe()
+            started = time.monotonic()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child
+                _child_main(read_fd, write_fd, fn, args)
+            self._in_flight[key] = pid
+        os.close(write_fd)
+        try:
+            payload = _read_until(read_fd, started + timeout)
+        finally:
+            os.close(read_fd)
+        duration = time.monotonic() - started
+        if payload is None:
+            _kill(pid)
+            with self._lock:
+                if _try_reap(pid, wait_seconds=0.05):
+                    self._in_flight.pop(key, None)
+            return ChildResult("timeout", error=f"no answer within {timeout:g}s", duration=duration)
+        with self._lock:
+            if _try_reap(pid, wait_seconds=1.0):
+                self._in_flight.pop(key, None)
+        try:
+            kind, value, err_no, message = pickle.loads(payload)
+        except Exception as exc:  # a child killed mid-write, or garbage
+            return ChildResult("error", error=f"bad answer from child: {exc}", duration=duration)
+        if kind == "ok":
+            return ChildResult("ok", value=value, duration=duration)
+        return ChildResult("error", errno=err_no, error=message, duration=duration)
+
+
+def _child_main(read_fd: int, write_fd: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    status = 0
+    try:
+        os.close(read_fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            outcome: tuple[str, Any, int | None, str] = ("ok", fn(*args), None, "")
+        except OSError as exc:
+            outcome = (
+                "error",
+                None,
+                exc.errno,
+                f"{exc.strerror or exc} ({errno_module.errorcode.get(exc.errno or 0, exc.errno)})",
+            )
+        except BaseException as exc:
+            outcome = ("error", None, None, f"{type(exc).__name__}: {exc}")
+        data = pickle.dumps(outcome)
+        view = memoryview(data)
+        while view:
+            written = os.write(write_fd, view)
+            view = view[written:]
+    except BaseException:
+        status = 1
+    finally:
+        os._exit(status)
+
+
+def _read_until(fd: int, deadline: float) -> bytes | None:
+    chunks: list[bytes] = []
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _try_reap(pid: int, wait_seconds: float = 0.0) -> bool:
+    """Reap `pid` if it has exited (waiting up to `wait_seconds`); True when it is gone."""
+    end = time.monotonic() + wait_seconds
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if done:
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.005)
+
+
+def run_command(
+    argv: Sequence[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    max_output_bytes: int = 4 << 20,
+) -> CommandResult:
+    """Run argv with a hard deadline; on overrun the whole process group is SIGKILLed."""
+    started = time.monotonic()
+    argv_t = tuple(argv)
+    try:
+        proc = subprocess.Popen(
+            argv_t,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=env,
+        )
+    except FileNotFoundError as exc:
+        return CommandResult(argv_t, None, "", str(exc), time.monotonic() - started, not_found=True)
+    except PermissionError as exc:
+        return CommandResult(argv_t, None, "", str(exc), time.monotonic() - started, permission_denied=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _killpg(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            # A grandchild in D state keeps the pipes open; leave the reaping to a daemon thread.
+            out, err = b"", b""
+            threading.Thread(target=_reap_later, args=(proc,), daemon=True).start()
+    stdout = out[:max_output_bytes].decode("utf-8", "replace")
+    stderr = err[:max_output_bytes].decode("utf-8", "replace")
+    return CommandResult(
+        argv_t,
+        None if timed_out else proc.returncode,
+        stdout,
+        stderr,
+        time.monotonic() - started,
+        timed_out=timed_out,
+        permission_denied=(not timed_out and proc.returncode == 126),
+        not_found=(not timed_out and proc.returncode == 127),
+    )
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap_later(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        proc.communicate()
+    except Exception:
+        pass
+
+
+class Host:
+    """Where the host's filesystems are, seen from the agent (in the DaemonSet: root=/host, hostPID)."""
+
+    def __init__(
+        self,
+        proc: str | Path = "/proc",
+        sys: str | Path = "/sys",
+        dev: str | Path = "/dev",
+        root: str | Path = "/",
+        children: ChildCalls | None = None,
+    ) -> None:
+        self.proc = Path(proc)
+        self.sys = Path(sys)
+        self.dev = Path(dev)
+        self.root = Path(root)
+        self.children = children or ChildCalls()
+
+    @classmethod
+    def from_config(cls, paths: Any, children: ChildCalls | None = None) -> Host:
+        return cls(paths.proc, paths.sys, paths.dev, paths.root, children=children)
+
+    def proc_path(self, *parts: str | int) -> Path:
+        return self.proc.joinpath(*(str(p) for p in parts))
+
+    def sys_path(self, *parts: str) -> Path:
+        return self.sys.joinpath(*parts)
+
+    def dev_path(self, *parts: str) -> Path:
+        return self.dev.joinpath(*parts)
+
+    def root_path(self, path: str | Path) -> Path:
+        """A host path (e.g. /mnt/share) as seen from the agent (e.g. /host/mnt/share)."""
+        return self.root.joinpath(str(path).lstrip("/"))
+
+    def which(self, name: str) -> str | None:
+        return shutil.which(name)
+
+    def run(self, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> CommandResult:
+        return run_command(argv, timeout, env=env)
+
+    def child_call(self, key: str, fn: Callable[..., Any], *args: Any, timeout: float) -> ChildResult:
+        return self.children.call(key, fn, *args, timeout=timeout)
+
+
+def statvfs_in_child(path: str) -> dict[str, int]:
+    """Runs in a child (see ChildCalls): statvfs of one path as plain numbers."""
+    st = os.statvfs(path)
+    return {
+        "frsize": st.f_frsize,
+        "blocks": st.f_blocks,
+        "bfree": st.f_bfree,
+        "bavail": st.f_bavail,
+        "files": st.f_files,
+        "ffree": st.f_ffree,
+        "favail": st.f_favail,
+    }
