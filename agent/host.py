@@ -8,6 +8,7 @@ TASK_KILLABLE), and one that still lingers is remembered, so no second child is 
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_module
 import logging
 import os
@@ -173,10 +174,8 @@ def _read_until(fd: int, deadline: float) -> bytes | None:
 
 
 def _kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _try_reap(pid: int, wait_seconds: float = 0.0) -> bool:
@@ -243,17 +242,13 @@ def run_command(
 
 
 def _killpg(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _reap_later(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(Exception):
         proc.communicate()
-    except Exception:
-        pass
 
 
 class Host:
