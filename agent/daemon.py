@@ -1,0 +1,219 @@
+"""The daemon: wires config, probes, scheduler, state, HTTP and (optionally) Kubernetes; reloads config."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.config import Config, ConfigError, load_config
+from agent.host import Host
+from agent.http import HttpServer
+from agent.logs import configure_logging
+from agent.metrics import MetricsRenderer
+from agent.scheduler import Scheduler
+from agent.state import HealthState
+from probes import all_probes
+from probes.base import Probe, Sample
+
+log = logging.getLogger(__name__)
+
+CONFIG_POLL_SECONDS = 5.0
+HEALTHZ_TICK_AGE = 10.0
+
+
+def build_state(config: Config, one_shot: bool = False) -> HealthState:
+    return HealthState(
+        config.resolved_node_name,
+        fail_threshold=1 if one_shot else config.health.fail_threshold,
+        recovery_threshold=1 if one_shot else config.health.recovery_threshold,
+        stale_after_intervals=config.health.stale_after_intervals,
+        required=config.health.required_checks,
+    )
+
+
+def instantiate(classes: dict[str, type[Probe]]) -> dict[str, Probe]:
+    return {name: cls() for name, cls in classes.items()}
+
+
+class ConfigWatcher:
+    """Notices a changed config file: a mounted ConfigMap is swapped in place through a symlink."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._fingerprint = self._read()
+
+    def _read(self) -> str | None:
+        if self.path is None:
+            return None
+        try:
+            return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()
+        except OSError:
+            return None
+
+    def changed(self) -> bool:
+        current = self._read()
+        if current is None or current == self._fingerprint:
+            return False
+        self._fingerprint = current
+        return True
+
+
+class Agent:
+    def __init__(
+        self,
+        config_path: str | None,
+        config: Config,
+        no_kube: bool = False,
+        probe_classes: dict[str, type[Probe]] | None = None,
+    ) -> None:
+        self.config_path = config_path
+        self.config = config
+        self.no_kube = no_kube
+        self.probe_classes = probe_classes if probe_classes is not None else all_probes()
+        self.probes = instantiate(self.probe_classes)
+        self.host = Host.from_config(config.host)
+        self.state = build_state(config)
+        self.scheduler = Scheduler(self.probes, config, self.host, self.state)
+        self.reloads: dict[str, int] = {"ok": 0, "error": 0}
+        self.last_reload_error = ""
+        self.kube: Any = None
+        self.metrics = MetricsRenderer(lambda: self.state.snapshot, [self._agent_samples])
+        self.http = HttpServer(
+            self.state,
+            self.metrics.render,
+            self.healthz,
+            self.known_checks,
+            self.status_extra,
+            address=config.http.address,
+            port=config.http.port,
+            max_wait=config.http.max_wait_seconds,
+        )
+        self._stop = threading.Event()
+        self._reload_requested = threading.Event()
+        self._watcher = ConfigWatcher(config_path)
+
+    # --- views for HTTP --------------------------------------------------------------------------
+
+    def known_checks(self) -> set[str]:
+        return {check for cls in self.probe_classes.values() for check in cls.checks}
+
+    def healthz(self) -> tuple[bool, dict[str, Any]]:
+        problems = []
+        if not self.scheduler.alive(HEALTHZ_TICK_AGE):
+            problems.append("scheduler loop is not ticking")
+        stuck = self.scheduler.stuck_probes(self.config.health.wedged_after_seconds)
+        problems.extend(f"probe {name} stuck for {seconds:.0f}s" for name, seconds in sorted(stuck.items()))
+        return not problems, {"problems": problems}
+
+    def status_extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {
+            "agent": {
+                "config_path": self.config_path,
+                "config_reloads": dict(self.reloads),
+                "last_reload_error": self.last_reload_error or None,
+                "children_in_flight": len(self.host.children.in_flight()),
+            }
+        }
+        if self.kube is not None:
+            extra["kubernetes"] = self.kube.status()
+        return extra
+
+    def _agent_samples(self) -> list[Sample]:
+        samples = [
+            Sample("nodehealth_config_reloads_total", "Config reloads by result.", count, {"result": result}, "counter")
+            for result, count in self.reloads.items()
+        ]
+        samples.append(
+            Sample(
+                "nodehealth_child_processes_in_flight",
+                "Filesystem-check children not yet reaped (a hung mount keeps one).",
+                len(self.host.children.in_flight()),
+            )
+        )
+        if self.kube is not None:
+            samples.extend(self.kube.samples())
+        return samples
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        port = self.http.start()
+        log.info("serving on %s:%d", self.config.http.address, port)
+        self.scheduler.start()
+        if self.config.kubernetes.enabled and not self.no_kube:
+            from agent.kube import KubeAgent, load_api_client  # the kubernetes client is heavy: only when used
+
+            self.kube = KubeAgent(
+                self.config, self.config.resolved_node_name, lambda: self.state.snapshot, load_api_client(self.config)
+            )
+            self.kube.start()
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def request_reload(self, *_: Any) -> None:
+        self._reload_requested.set()
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
+        next_poll = time.monotonic() + CONFIG_POLL_SECONDS
+        while not self._stop.is_set():
+            self._stop.wait(0.2)
+            if self._reload_requested.is_set():
+                self._reload_requested.clear()
+                self._watcher.changed()  # adopt the fingerprint of what we are loading now
+                self.reload("SIGHUP")
+            elif time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + CONFIG_POLL_SECONDS
+                if self._watcher.changed():
+                    self.reload("file changed")
+        self.shutdown()
+
+    def reload(self, why: str) -> bool:
+        try:
+            config = load_config(self.config_path, self.probe_classes)
+        except ConfigError as exc:
+            self.reloads["error"] += 1
+            self.last_reload_error = str(exc)
+            log.error("config reload (%s) rejected, keeping the running config: %s", why, exc)
+            return False
+        if (config.http.address, config.http.port) != (self.config.http.address, self.config.http.port):
+            log.warning("http.address/http.port changed: takes effect at the next restart")
+        if config.host != self.config.host:
+            self.host = Host.from_config(config.host, children=self.host.children)
+            self.scheduler._host = self.host
+        self.config = config
+        configure_logging(config.logging.format, config.logging.level)
+        self.scheduler.reconfigure(config)
+        if self.kube is not None:
+            self.kube.reconfigure(config)
+        self.reloads["ok"] += 1
+        self.last_reload_error = ""
+        log.info("config reloaded (%s)", why)
+        return True
+
+    def shutdown(self) -> None:
+        log.info("stopping")
+        deadline = time.monotonic() + 4.0
+        self.scheduler.stop(timeout=1.0)
+        if self.kube is not None:
+            self.kube.stop(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+        self.http.stop(timeout=max(0.1, deadline - time.monotonic()))
+
+
+def run_daemon(config_path: str | None, config: Config, no_kube: bool) -> int:
+    agent = Agent(config_path, config, no_kube=no_kube)
+    try:
+        agent.start()
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    agent.serve_forever()
+    return 0

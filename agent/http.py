@@ -1,0 +1,254 @@
+"""HTTP on one port: /ready, /healthz, /metrics, /status. Read-only; answers from cached snapshots.
+
+The server runs its own asyncio loop in its own thread, so no probe, lock or Kubernetes call can delay
+it. Long-polls (`/ready?wait=S`) wait on a future resolved when the state publishes a new snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from agent.state import HealthState, Snapshot, Verdict, reason_dict
+from probes.base import CATEGORIES
+
+log = logging.getLogger(__name__)
+
+READY_PARAMS = frozenset({"checks", "devices", "min_hbm_free_mib", "wait"})
+JSON_TYPE = "application/json"
+
+
+class BadQuery(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReadyQuery:
+    checks: tuple[str, ...] | None = None
+    devices: frozenset[int] | None = None
+    min_hbm_free_mib: float | None = None
+    wait: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return self.checks is None and self.devices is None and self.min_hbm_free_mib is None
+
+
+def _number(name: str, text: str, upper: float | None = None) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadQuery(f"{name}={text!r}: not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise BadQuery(f"{name}={text!r}: must be a finite number >= 0")
+    if upper is not None and value > upper:
+        raise BadQuery(f"{name}={text!r}: at most {upper:g}")
+    return value
+
+
+def parse_ready_query(query: Any, known_checks: Collection[str], max_wait: float) -> ReadyQuery:
+    """Validate /ready's query (a multidict or mapping of lists). Raises BadQuery with the reason."""
+    keys = list(query.keys())
+    unknown = sorted(set(keys) - READY_PARAMS)
+    if unknown:
+        raise BadQuery(f"unknown parameter {unknown[0]!r} (allowed: {', '.join(sorted(READY_PARAMS))})")
+    for key in set(keys):
+        if len(query.getall(key)) > 1:
+            raise BadQuery(f"parameter {key!r} given more than once")
+    checks = devices = minimum = None
+    wait = 0.0
+    if "checks" in query:
+        checks = tuple(part.strip() for part in query["checks"].split(","))
+        for selector in checks:
+            if not selector:
+                raise BadQuery("checks: empty name in the list")
+            if not selector_known(selector, known_checks):
+                raise BadQuery(f"checks: unknown check or category {selector!r}")
+    if "devices" in query:
+        parsed: set[int] = set()
+        for part in query["devices"].split(","):
+            part = part.strip()
+            if not part.isdigit():
+                raise BadQuery(f"devices: {part!r} is not a device index (comma-separated integers >= 0)")
+            parsed.add(int(part))
+        devices = frozenset(parsed)
+    if "min_hbm_free_mib" in query:
+        minimum = _number("min_hbm_free_mib", query["min_hbm_free_mib"])
+    if "wait" in query:
+        wait = _number("wait", query["wait"], upper=max_wait)
+    return ReadyQuery(checks, devices, minimum, wait)
+
+
+def selector_known(selector: str, known_checks: Collection[str]) -> bool:
+    if selector in CATEGORIES:
+        return True
+    return any(check == selector or check.startswith(selector + ".") for check in known_checks)
+
+
+class HttpServer:
+    def __init__(
+        self,
+        state: HealthState,
+        render_metrics: Callable[[], bytes],
+        healthz: Callable[[], tuple[bool, dict[str, Any]]],
+        known_checks: Callable[[], Collection[str]],
+        status_extra: Callable[[], dict[str, Any]] = dict,
+        address: str = "0.0.0.0",
+        port: int = 9100,
+        max_wait: float = 300.0,
+    ) -> None:
+        self._state = state
+        self._render_metrics = render_metrics
+        self._healthz = healthz
+        self._known_checks = known_checks
+        self._status_extra = status_extra
+        self.address = address
+        self.port = port
+        self.max_wait = max_wait
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Future[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        state.subscribe(self._on_snapshot)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Bind and serve in a background thread; returns the bound port (useful with port 0)."""
+        self._thread = threading.Thread(target=self._serve, name="http", daemon=True)
+        self._thread.start()
+        self._started.wait(10)
+        if self._start_error is not None:
+            raise self._start_error
+        return self.port
+
+    def stop(self, timeout: float = 3.0) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if self._runner is not None:
+            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
+            try:
+                fut.result(timeout)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._setup())
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _setup(self) -> None:
+        self._changed = asyncio.get_running_loop().create_future()
+        app = web.Application()
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/healthz", self._healthz_handler)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/status", self._status)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.address, self.port, backlog=1024, reuse_address=True)
+        await site.start()
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            self.port = server.sockets[0].getsockname()[1]
+
+    def _on_snapshot(self, _snapshot: Snapshot) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._wake_waiters)
+            except RuntimeError:  # loop closed meanwhile
+                pass
+
+    def _wake_waiters(self) -> None:
+        changed = self._changed
+        if changed is not None and not changed.done():
+            changed.set_result(None)
+        self._changed = asyncio.get_running_loop().create_future()
+
+    # --- handlers --------------------------------------------------------------------------------
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        try:
+            query = parse_ready_query(request.query, self._known_checks(), self.max_wait)
+        except BadQuery as exc:
+            return _json({"error": str(exc)}, 400)
+        snapshot = self._state.snapshot.current()
+        verdict = self._verdict(snapshot, query)
+        if not verdict.ready and query.wait > 0:
+            deadline = time.monotonic() + query.wait
+            while not verdict.ready:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._changed is None:
+                    break
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._changed), remaining)
+                except asyncio.TimeoutError:
+                    pass
+                snapshot = self._state.snapshot.current()
+                verdict = self._verdict(snapshot, query)
+        body = {
+            "ready": verdict.ready,
+            "node": snapshot.node,
+            "reasons": [reason_dict(f) for f in verdict.reasons],
+            "age_seconds": verdict.age_seconds,
+        }
+        return _json(body, 200 if verdict.ready else 503)
+
+    @staticmethod
+    def _verdict(snapshot: Snapshot, query: ReadyQuery) -> Verdict:
+        if query.plain:
+            return Verdict(snapshot.verdict.ready, snapshot.verdict.reasons, snapshot.evaluate().age_seconds)
+        return snapshot.evaluate(query.checks, query.devices, query.min_hbm_free_mib)
+
+    async def _healthz_handler(self, request: web.Request) -> web.Response:
+        if request.query:
+            return _json({"error": "/healthz takes no parameters"}, 400)
+        healthy, detail = self._healthz()
+        return _json({"ok": healthy, **detail}, 200 if healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if request.query:
+            return _json({"error": "/metrics takes no parameters"}, 400)
+        body = self._render_metrics()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        if request.query:
+            return _json({"error": "/status takes no parameters"}, 400)
+        document = self._state.snapshot.current().to_document()
+        try:
+            document.update(self._status_extra())
+        except Exception as exc:  # noqa: BLE001 - the core document still answers
+            document["status_extra_error"] = str(exc)
+        return _json(document, 200)
+
+
+def _json(body: dict[str, Any], status: int) -> web.Response:
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON_TYPE)
