@@ -9,7 +9,9 @@ Each probe family owns its section model below; add keys freely, rename none.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -102,22 +104,77 @@ class NpuConfig(Section):
         "Alarm": "fail",
         "Critical": "fail",
     }
-    # HBM in use with no process on the chip above this many MiB → NpuHbmLeaked.
-    hbm_leak_min_mib: float = Field(1024, ge=0)
+    # HBM in use with no process on the chip above this many MiB → NpuHbmLeaked. An idle chip already
+    # shows firmware-reserved memory in use: 910B ~3.4 GiB, A3 ~3 GiB, 950 ~4.4 GiB (npu-smi fixtures).
+    hbm_leak_min_mib: float = Field(8192, ge=0)
+    # Device nodes (globs under host.dev) whose holders npu.holders reports; matched by device number.
     holder_devices: list[str] = ["davinci[0-9]*", "davinci_manager", "devmm_svm", "hisi_hdc"]
+    holder_scan_timeout_seconds: PositiveSeconds = 5.0
+    # Holders never reported (fnmatch on the process name): the driver's own host daemons, npu-smi itself.
+    holder_ignore_commands: list[str] = ["npu-smi", "dmp_daemon", "slogd", "sklogd", "log-daemon", "hccn_tool"]
 
 
 class PcieConfig(Section):
+    # PCI vendor ids whose functions (and the ports above them) are checked; 0x19e5 is Huawei (Ascend).
     vendors: list[str] = ["0x19e5"]
+    # Only these device ids of those vendors (e.g. ["0xd802"]); empty: every non-bridge function.
+    device_ids: list[str] = []
+    # New correctable errors per minute (over at least a minute) above this → PcieCorrectableBurst.
     correctable_burst_per_minute: float = Field(10, ge=0)
+    # A new AER error keeps its fail/warn this long after the counter last rose.
+    hold_seconds: PositiveSeconds = 3600.0
+    # Also check the port above each function (AER may count errors at the link partner only).
+    upstream_ports: bool = True
+    # A link trained below its speed is PcieLinkDegraded too; turn off where idle power saving lowers speed.
+    link_speed_check: bool = True
+
+    @field_validator("vendors", "device_ids", mode="before")
+    @classmethod
+    def _hex_ids(cls, values: Any) -> Any:
+        if not isinstance(values, list):
+            return values
+        out = []
+        for value in values:
+            # YAML reads an unquoted 0x19e5 as the integer 6629.
+            try:
+                number = value if isinstance(value, int) else int(str(value), 16)
+            except ValueError:
+                number = -1
+            if isinstance(value, bool) or not 0 <= number <= 0xFFFF:
+                raise ValueError(f"{value!r} is not a 16-bit hex PCI id like 0x19e5")
+            out.append(f"0x{number:04x}")
+        return out
 
 
 class GpuConfig(Section):
+    # GPUs expected on this node; None: one per /dev/nvidiaN node.
     expected_gpus: int | None = Field(None, ge=0)
+    # Free framebuffer below this many MiB → GpuMemoryLow; 0 disables.
     min_free_mib: float = Field(0, ge=0)
+    # Framebuffer in use with no process on the GPU above this many MiB → GpuMemoryLeaked.
     memory_leak_min_mib: float = Field(1024, ge=0)
+    # Path of libnvidia-ml.so.1 to load; empty: the dynamic loader's search path.
+    nvml_library: str = ""
+    # argv prefix of the fallback used when NVML cannot be loaded; e.g. [nsenter, -t, 1, -m, --, nvidia-smi].
     smi_command: list[str] = ["nvidia-smi"]
+    smi_timeout_seconds: PositiveSeconds = 8.0
+    # Lifetime (aggregate) uncorrectable ECC errors: 1..this → warn, above → fail. Volatile ones always fail.
+    ecc_aggregate_uncorrectable_max: int = Field(4, ge=0)
+    # Status of a pending page retirement / row remap (takes effect at the next GPU reset).
+    retirement_pending_status: Literal["warn", "fail"] = "fail"
+    # SW thermal slowdown: warn by default (the driver lowering clocks near its target temperature).
+    sw_thermal_status: Literal["ok", "warn", "fail"] = "warn"
     holder_devices: list[str] = ["nvidia[0-9]*"]
+    # Commands (fnmatch on the executable's base name) allowed to hold GPUs outside a pod.
+    allowed_holders: list[str] = [
+        "nvidia-persistenced",
+        "nv-hostengine",
+        "nvidia-smi",
+        "nvidia-cuda-mps-control",
+        "nvidia-cuda-mps-server",
+        "nv-fabricmanager",
+        "dcgm-exporter",
+    ]
 
 
 # --- storage ---------------------------------------------------------------------------------------
@@ -162,6 +219,8 @@ class StorageConfig(Section):
     mounts: list[MountSpec] = []
     mount_timeout_seconds: PositiveSeconds = 5.0
     write_probes: list[WriteProbeSpec] = []
+    # One write (N bytes + fsync + close) may take a while on a busy NFS server.
+    write_timeout_seconds: PositiveSeconds = 10.0
     space: list[SpaceSpec] = [SpaceSpec(path="/")]
     space_timeout_seconds: PositiveSeconds = 5.0
     lock_globs: list[str] = [
@@ -171,38 +230,148 @@ class StorageConfig(Section):
     ]
     stale_lock_age_seconds: PositiveSeconds = 1800.0
     remove_stale_locks: bool = False
+    # File names (fnmatch) of existence-style locks (torch FileBaton: the file's existence is the lock).
+    # Other lock files are flock-style unless they hold a SoftFileLock record ("<pid>\n<hostname>").
+    baton_lock_names: list[str] = ["lock"]
+    # Filesystem types (fnmatch) where a lock holder may sit on another node: stale locks only warn there.
+    shared_fstypes: list[str] = [
+        "nfs*",
+        "lustre",
+        "fuse",
+        "fuse.*",
+        "cifs",
+        "smb*",
+        "ceph",
+        "glusterfs",
+        "gpfs",
+        "beegfs",
+        "afs",
+        "9p",
+        "virtiofs",
+        "ocfs2",
+        "gfs2",
+        "wekafs",
+    ]
+    locks_timeout_seconds: PositiveSeconds = 5.0
     model_caches: list[ModelCacheSpec] = []
+    model_cache_timeout_seconds: PositiveSeconds = 10.0
+
+    @model_validator(mode="after")
+    def _unique_subjects(self) -> StorageConfig:
+        for key, paths in (
+            ("mounts", [m.path for m in self.mounts]),
+            ("write_probes", [w.path for w in self.write_probes]),
+        ):
+            seen: set[str] = set()
+            for path in paths:
+                normal = os.path.normpath(path)
+                if normal in seen:
+                    raise ValueError(f"{key}: path {path} is listed twice")
+                seen.add(normal)
+        for glob_pattern in self.lock_globs:
+            if not glob_pattern.startswith("/"):
+                raise ValueError(f"lock_globs: {glob_pattern!r} must be an absolute path")
+        return self
 
 
 # --- network / time --------------------------------------------------------------------------------
 
 
+def split_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """ "host", "host:port", "[v6]:port" or a bare IPv6 address → (host, port); ValueError when malformed."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(f"{text!r}: expected [address]:port")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:  # a bare name, IPv4 or IPv6 address
+        host, port_text = text, ""
+    if not host:
+        raise ValueError(f"{text!r}: empty host")
+    if port_text == "":
+        return host, default_port
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{text!r}: port must be 1-65535")
+    return host, int(port_text)
+
+
 class DnsConfig(Section):
     names: list[str] = []
-    nameservers: list[str] = []  # empty: the host's resolv.conf
-    timeout_seconds: PositiveSeconds = 2.0
+    nameservers: list[str] = []  # "ip" or "ip:port"; empty: the host's resolv.conf
+    timeout_seconds: PositiveSeconds = 2.0  # per try, per nameserver
+    lifetime_seconds: PositiveSeconds = 4.0  # per name, all tries (bounded by the probe's deadline)
     slow_seconds: PositiveSeconds = 0.5
+    # Resolved only when the agent runs in a pod (KUBERNETES_SERVICE_HOST set), with the pod's own
+    # /etc/resolv.conf (dnsPolicy ClusterFirstWithHostNet) unless `nameservers` is set.
+    cluster_names: list[str] = ["kubernetes.default.svc.cluster.local"]
+
+    @field_validator("nameservers")
+    @classmethod
+    def _ip_and_port(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            host, _ = split_host_port(entry, 53)
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ValueError(f"{entry!r}: a nameserver must be an IP address, optionally with :port") from None
+        return value
 
 
 class EgressTarget(Section):
-    name: str
+    name: str = ""  # empty: the subject is host:port
     host: str
     port: int = Field(443, ge=1, le=65535)
     tls: bool = True
     http_path: str | None = None
     expect_status: list[int] = [200]
-    proxy: str | None = None
+    proxy: str | None = None  # http://host:port (HTTP CONNECT)
     timeout_seconds: PositiveSeconds = 5.0
+    # Extra CA bundle (a host path, e.g. a corporate CA) trusted besides the agent's default CAs.
+    ca_file: str | None = None
+
+    @field_validator("proxy")
+    @classmethod
+    def _http_proxy(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.startswith("http://"):
+            raise ValueError("proxy must be http://host:port (HTTP CONNECT)")
+        split_host_port(value[len("http://") :].rstrip("/"), 3128)
+        return value
+
+    @field_validator("http_path")
+    @classmethod
+    def _absolute_path(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError("http_path must start with /")
+        return value
+
+    @property
+    def subject(self) -> str:
+        return self.name or f"{self.host}:{self.port}"
 
 
 class LinksConfig(Section):
     interfaces: list[str] = []  # empty: every physical NIC
     max_carrier_changes_per_hour: float = Field(6, ge=0)
+    # Network namespace to inspect (a path such as /run/netns/x); empty: the host's, <proc>/1/ns/net.
+    netns: str = ""
 
 
 class PortsConfig(Section):
     base: int = Field(60000, ge=1, le=65535)
     count: int = Field(16, ge=1, le=65535)
+    # Warn (PortsNotReserved) when net.ipv4.ip_local_reserved_ports does not cover the range.
+    check_reserved: bool = True
+
+    @model_validator(mode="after")
+    def _fits(self) -> PortsConfig:
+        if self.base + self.count - 1 > 65535:
+            raise ValueError("base + count - 1 must not exceed 65535")
+        return self
 
 
 class NetworkConfig(Section):
@@ -213,10 +382,20 @@ class NetworkConfig(Section):
 
 
 class TimeConfig(Section):
-    ntp_servers: list[str] = []
+    ntp_servers: list[str] = []  # "host" or "host:port"
     warn_offset_seconds: PositiveSeconds = 0.1
     fail_offset_seconds: PositiveSeconds = 1.0
     ntp_timeout_seconds: PositiveSeconds = 2.0
+    # argv prefix for chronyc; `-n tracking` is appended. e.g. [nsenter, -t, 1, -n, --, chronyc]
+    chronyc_command: list[str] = ["chronyc"]
+    chronyc_timeout_seconds: PositiveSeconds = 2.0
+
+    @field_validator("ntp_servers")
+    @classmethod
+    def _host_and_port(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            split_host_port(entry, 123)
+        return value
 
     @model_validator(mode="after")
     def _ordered(self) -> TimeConfig:
@@ -228,9 +407,51 @@ class TimeConfig(Section):
 # --- kernel log ------------------------------------------------------------------------------------
 
 
+class KernelLogRule(Section):
+    """One node-problem-detector style rule: a regex over kernel-facility /dev/kmsg messages → a reason."""
+
+    reason: str = Field(pattern=r"^[A-Z][A-Za-z0-9]*$")
+    pattern: str
+    # temporary: reported with `status`; permanent: reported as fail. Both clear after the quiet period.
+    type: Literal["temporary", "permanent"] = "temporary"
+    count: int = Field(1, ge=1)  # matches needed within window_seconds to raise the problem
+    window_seconds: PositiveSeconds = 60.0
+    status: Literal["warn", "fail"] = "warn"
+    category: Literal["host", "npu", "gpu", "storage", "network"] = "host"
+    # Named group → values that make a match fail (e.g. {xid: ["79"]}) whatever `status` says.
+    fail_on: dict[str, list[str]] = {}
+    # A line matching this clears the problem at once (e.g. "nfs: server X OK").
+    recover_pattern: str | None = None
+    quiet_period_seconds: PositiveSeconds | None = None  # None: kernel_log.quiet_period_seconds
+    hint: str = ""
+
+    @field_validator("pattern", "recover_pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+def _default_kernel_log_rules() -> list[KernelLogRule]:
+    from probes.kernel_log import DEFAULT_RULES  # the defaults live beside the probe, with their sources
+
+    return [KernelLogRule.model_validate(rule) for rule in DEFAULT_RULES]
+
+
 class KernelLogConfig(Section):
-    path: str = "/dev/kmsg"
+    # None: <host.dev>/kmsg.
+    path: str | None = None
     quiet_period_seconds: PositiveSeconds = 3600.0
+    # Replaces the default rules when set; extra_rules are added to whichever set is in force.
+    rules: list[KernelLogRule] = Field(default_factory=_default_kernel_log_rules)
+    extra_rules: list[KernelLogRule] = []
+    # Bounds one run's work when the kernel floods the log.
+    max_records_per_run: int = Field(20000, ge=1)
+    max_line_chars: int = Field(240, ge=40)
 
 
 # --- kubernetes ------------------------------------------------------------------------------------
@@ -245,7 +466,35 @@ class KubernetesConfig(Section):
     # Reason → taint effect; reasons not listed take default_effect. "None" reports without tainting.
     default_effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute", "None"] = "NoSchedule"
     effects: dict[str, Literal["NoSchedule", "PreferNoSchedule", "NoExecute", "None"]] = {}
+    # Effect of warn findings: warn does not block readiness, so by default it only shows in the condition.
+    warn_effect: Literal["PreferNoSchedule", "None"] = "None"
     disabled_reasons: list[str] = []
+    # Checks (or prefixes: "network", "storage.locks") reported over HTTP and metrics only, never on the Node.
+    disabled_checks: list[str] = []
+    # Conditions are rewritten (lastHeartbeatTime) at most this often when nothing changes: 6 writes/hour.
+    heartbeat_seconds: float = Field(600.0, ge=600)
+    events_namespace: str = "default"
+    # Cluster taint budget: a ConfigMap of slots, one per node holding a NoSchedule/NoExecute taint.
+    budget_configmap: str = "node-health-budget"
+    budget_namespace: str = ""  # empty: $POD_NAMESPACE, else the ServiceAccount's namespace, else node-health
+    budget_node_selector: str = ""  # label selector of the nodes a percentage counts; empty: every node
+    budget_retry_seconds: PositiveSeconds = 60.0  # a suppressed node asks for a slot again this often
+    budget_grace_seconds: PositiveSeconds = 120.0  # a slot whose node is not tainted yet survives pruning
+    # API errors (unreachable, 429, 5xx, 403) back off exponentially with jitter between these bounds.
+    backoff_initial_seconds: PositiveSeconds = 1.0
+    backoff_max_seconds: PositiveSeconds = 300.0
+    request_timeout_seconds: PositiveSeconds = 10.0
+    conflict_retries: int = Field(5, ge=0, le=50)
+    poll_seconds: PositiveSeconds = 1.0
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _dns_prefix(cls, value: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
+            raise ValueError("must be a DNS subdomain (lowercase letters, digits, '-', '.'), e.g. node-health")
+        return value
 
     @field_validator("max_unhealthy", mode="before")
     @classmethod

@@ -116,6 +116,7 @@ class HttpServer:
         self.max_wait = max_wait
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future[None] | None = None
+        self._plain_cache: tuple[int, bytes, float] | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -141,7 +142,7 @@ class HttpServer:
             fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
             try:
                 fut.result(timeout)
-            except Exception:  # noqa: BLE001 - shutting down anyway
+            except Exception:
                 pass
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
@@ -153,7 +154,7 @@ class HttpServer:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._setup())
-        except BaseException as exc:  # noqa: BLE001 - reported to start()
+        except BaseException as exc:
             self._start_error = exc
             self._started.set()
             return
@@ -195,12 +196,16 @@ class HttpServer:
     # --- handlers --------------------------------------------------------------------------------
 
     async def _ready(self, request: web.Request) -> web.Response:
+        if not request.query_string:
+            fast = self._plain_ready()
+            if fast is not None:
+                return fast
         try:
             query = parse_ready_query(request.query, self._known_checks(), self.max_wait)
         except BadQuery as exc:
             return _json({"error": str(exc)}, 400)
         snapshot = self._state.snapshot.current()
-        verdict = self._verdict(snapshot, query)
+        verdict = snapshot.evaluate(query.checks, query.devices, query.min_hbm_free_mib)
         if not verdict.ready and query.wait > 0:
             deadline = time.monotonic() + query.wait
             while not verdict.ready:
@@ -212,20 +217,27 @@ class HttpServer:
                 except asyncio.TimeoutError:
                     pass
                 snapshot = self._state.snapshot.current()
-                verdict = self._verdict(snapshot, query)
-        body = {
-            "ready": verdict.ready,
-            "node": snapshot.node,
-            "reasons": [reason_dict(f) for f in verdict.reasons],
-            "age_seconds": verdict.age_seconds,
-        }
-        return _json(body, 200 if verdict.ready else 503)
+                verdict = snapshot.evaluate(query.checks, query.devices, query.min_hbm_free_mib)
+        return _json(ready_body(snapshot.node, verdict), 200 if verdict.ready else 503)
 
-    @staticmethod
-    def _verdict(snapshot: Snapshot, query: ReadyQuery) -> Verdict:
-        if query.plain:
-            return Verdict(snapshot.verdict.ready, snapshot.verdict.reasons, snapshot.evaluate().age_seconds)
-        return snapshot.evaluate(query.checks, query.devices, query.min_hbm_free_mib)
+    def _plain_ready(self) -> web.Response | None:
+        """/ready without parameters, the pre-flight every job sends: the body is serialized once per
+        snapshot and only the age is filled in per request."""
+        snapshot = self._state.snapshot
+        if snapshot.current() is not snapshot:
+            return None  # something went stale since the snapshot was published: evaluate afresh
+        cached = self._plain_cache
+        if cached is None or cached[0] != snapshot.version:
+            body = json.dumps(ready_body(snapshot.node, snapshot.verdict))
+            prefix, _, _ = body.rpartition('"age_seconds": ')
+            cached = (snapshot.version, prefix.encode() + b'"age_seconds": ', snapshot.oldest_observed)
+            self._plain_cache = cached
+        age = max(0.0, time.time() - cached[2])
+        return web.Response(
+            body=cached[1] + f"{age:.3f}}}".encode(),
+            status=200 if snapshot.ready else 503,
+            content_type=JSON_TYPE,
+        )
 
     async def _healthz_handler(self, request: web.Request) -> web.Response:
         if request.query:
@@ -245,9 +257,18 @@ class HttpServer:
         document = self._state.snapshot.current().to_document()
         try:
             document.update(self._status_extra())
-        except Exception as exc:  # noqa: BLE001 - the core document still answers
+        except Exception as exc:
             document["status_extra_error"] = str(exc)
         return _json(document, 200)
+
+
+def ready_body(node: str, verdict: Verdict) -> dict[str, Any]:
+    return {
+        "ready": verdict.ready,
+        "node": node,
+        "reasons": [reason_dict(f) for f in verdict.reasons],
+        "age_seconds": verdict.age_seconds,
+    }
 
 
 def _json(body: dict[str, Any], status: int) -> web.Response:

@@ -85,7 +85,7 @@ def execute(probe: Probe, host: Host, config: Config, timeout: float) -> tuple[s
         log.warning("probe %s: parse error: %s", probe.name, exc)
         msg = f"could not parse tool output: {exc}"
         return "error", unknown_findings(probe, PARSE_ERROR, msg, "the tool's output format is new to the agent"), []
-    except Exception as exc:  # noqa: BLE001 - any probe bug becomes an unknown result, never a crash
+    except Exception as exc:
         log.warning("probe %s raised %s: %s", probe.name, type(exc).__name__, exc, exc_info=log.isEnabledFor(10))
         msg = f"probe {probe.name} failed: {type(exc).__name__}: {exc}"
         return "error", unknown_findings(probe, PROBE_ERROR, msg, "see the agent log"), []
@@ -184,7 +184,7 @@ class Scheduler:
                 with self._lock:
                     self._tick(time.monotonic())
                 self._state.refresh()
-            except Exception:  # noqa: BLE001 - the loop must survive anything
+            except Exception:
                 log.exception("scheduler tick failed")
             self._wake.wait(TICK_SECONDS)
             self._wake.clear()

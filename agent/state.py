@@ -121,6 +121,7 @@ class Snapshot:
     problem_counts: Mapping[str, int]
     verdict: Verdict
     valid_until: float = math.inf  # monotonic: past this, some result has gone stale; see current()
+    oldest_observed: float = 0.0  # wall clock of the oldest result (age_seconds of /ready)
 
     def current(self, now_mono: float | None = None) -> Snapshot:
         """The snapshot with freshness judged now. Readers call this, so a wedged scheduler that stops
@@ -491,7 +492,7 @@ class HealthState:
         for listener in list(self._listeners):
             try:
                 listener(self._snapshot)
-            except Exception:  # noqa: BLE001 - a listener must never break the state
+            except Exception:
                 pass
 
     def _build(self, bump: bool = True) -> Snapshot:
@@ -528,6 +529,7 @@ class HealthState:
             problem_counts=dict(self._problem_counts),
             verdict=verdict,
             valid_until=min(fresh_expiries, default=math.inf),
+            oldest_observed=min((s.observed_at for s in states if s.observed_at), default=now),
         )
 
 

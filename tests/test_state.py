@@ -77,7 +77,7 @@ def test_interrupted_failure_streak_starts_over() -> None:
     state.record("mem", [f("host.memory", Status.FAIL, "HostMemoryLow")])
     state.record("mem", [f("host.memory", Status.OK)])
     state.record("mem", [f("host.memory", Status.FAIL, "HostMemoryLow")])
-    mem = [c for c in state.snapshot.checks if c.finding.check == "host.memory"][0]
+    mem = next(c for c in state.snapshot.checks if c.finding.check == "host.memory")
     assert mem.finding.status == Status.OK
 
 
