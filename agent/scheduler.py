@@ -137,8 +137,9 @@ class Scheduler:
                 # First runs start at once (spread over a second) so warm-up is short.
                 self._slots[name] = _Slot(probe, spec, jitter, next_due=now + self._rng.uniform(0, 1.0))
             else:
-                if spec.interval < slot.spec.interval:
-                    slot.next_due = min(slot.next_due, now + spec.interval)
+                # A probe's settings may have changed with the config: run each again soon (spread over
+                # two seconds) so the change shows in its results now, not one full interval later.
+                slot.next_due = min(slot.next_due, now + self._rng.uniform(0, 2.0))
                 slot.spec, slot.jitter = spec, jitter
         self._state.configure(
             [slot.spec for slot in self._slots.values()],
