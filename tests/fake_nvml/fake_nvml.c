@@ -1,0 +1,355 @@
+/*
+ * A stand-in libnvidia-ml.so.1 for tests: exactly the NVML entry points probes/_nvml.py reaches through
+ * nvidia-ml-py, with the C signatures and struct layouts of nvml.h, serving devices described in the text
+ * file named by $FAKE_NVML_CONFIG (re-read at every nvmlInitWithFlags). One build serves every scenario.
+ *
+ * Config lines (`#` starts a comment):
+ *   driver <version>            init_error <code>        (before the first `gpu` line)
+ *   gpu                         starts a device (healthy defaults: 80 GiB, nothing used, no errors)
+ *   name <text>  uuid <text>  bus <bus id>  minor <n>
+ *   ecc_corrected_volatile|ecc_uncorrected_volatile|ecc_corrected_aggregate|ecc_uncorrected_aggregate <n>
+ *   retired_sbe <n>  retired_dbe <n>  retired_pending <0|1>
+ *   remap_correctable <n>  remap_uncorrectable <n>  remap_pending <0|1>  remap_failure <0|1>
+ *   recovery_action <n>  recovery_return <nvml code for the field>
+ *   clock_event_reasons <bitmask>  memory_total_mib <n>  memory_used_mib <n>  temperature <C>  power_mw <mW>
+ *   compute_process <pid> <used MiB>   graphics_process <pid> <used MiB>
+ *   error <nvml function name> <code>  (that call returns the code; 3 = NOT_SUPPORTED, 15 = GPU_IS_LOST)
+ *   handle_error <code>                (nvmlDeviceGetHandleByIndex_v2 fails for this device)
+ * $FAKE_NVML_LOG, when set, names a file each call appends its function name to.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int nvmlReturn_t;
+enum {
+    NVML_SUCCESS = 0, NVML_ERROR_UNINITIALIZED = 1, NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3, NVML_ERROR_INSUFFICIENT_SIZE = 7,
+};
+
+#define MAX_GPUS 16
+#define MAX_PROCS 16
+#define MAX_ERRORS 32
+
+struct fake_process { unsigned int pid; unsigned long long used; };
+struct fake_error { char call[80]; int code; };
+struct fake_device {
+    char name[96], uuid[96], bus[32];
+    unsigned int minor;
+    unsigned long long ecc[2][2]; /* [corrected, uncorrected][volatile, aggregate] */
+    unsigned int retired[2], retired_pending;
+    unsigned int remap_correctable, remap_uncorrectable, remap_pending, remap_failure;
+    unsigned int recovery_action; int recovery_return;
+    unsigned long long clock_event_reasons, memory_total, memory_used;
+    unsigned int temperature, power_mw;
+    struct fake_process procs[2][MAX_PROCS]; /* [compute, graphics] */
+    int nprocs[2];
+    struct fake_error errors[MAX_ERRORS];
+    int nerrors;
+    int handle_error;
+};
+typedef struct fake_device *nvmlDevice_t;
+
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+typedef union {
+    double dVal; unsigned int uiVal; unsigned long ulVal; unsigned long long ullVal;
+    long long sllVal; int siVal; unsigned short usVal;
+} nvmlValue_t;
+typedef struct {
+    unsigned int fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    unsigned int valueType;
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+
+static struct fake_device devices[MAX_GPUS];
+static int ndevices, init_error, initialized;
+static char driver_version[80];
+
+static void log_call(const char *name) {
+    const char *path = getenv("FAKE_NVML_LOG");
+    if (!path) return;
+    FILE *f = fopen(path, "a");
+    if (!f) return;
+    fprintf(f, "%s\n", name);
+    fclose(f);
+}
+
+static void set_defaults(struct fake_device *d, int index) {
+    memset(d, 0, sizeof *d);
+    snprintf(d->name, sizeof d->name, "NVIDIA H100 80GB HBM3");
+    snprintf(d->uuid, sizeof d->uuid, "GPU-00000000-0000-0000-0000-%012d", index);
+    snprintf(d->bus, sizeof d->bus, "00000000:%02X:00.0", 0x18 + index);
+    d->minor = (unsigned int)index;
+    d->memory_total = 81559ULL << 20;
+    d->temperature = 35;
+    d->power_mw = 70000;
+}
+
+static void load_config(void) {
+    ndevices = 0;
+    init_error = 0;
+    snprintf(driver_version, sizeof driver_version, "550.54.15");
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    if (!path) return;
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char line[512];
+    struct fake_device *d = NULL;
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\r\n#")] = 0;
+        char key[64] = "";
+        int offset = 0;
+        if (sscanf(line, " %63s %n", key, &offset) < 1) continue;
+        const char *rest = line + offset;
+        unsigned long long n = strtoull(rest, NULL, 0);
+        if (!strcmp(key, "driver")) { snprintf(driver_version, sizeof driver_version, "%s", rest); continue; }
+        if (!strcmp(key, "init_error")) { init_error = (int)n; continue; }
+        if (!strcmp(key, "gpu")) {
+            if (ndevices == MAX_GPUS) break;
+            d = &devices[ndevices];
+            set_defaults(d, ndevices++);
+            continue;
+        }
+        if (!d) continue;
+        if (!strcmp(key, "name")) snprintf(d->name, sizeof d->name, "%s", rest);
+        else if (!strcmp(key, "uuid")) snprintf(d->uuid, sizeof d->uuid, "%s", rest);
+        else if (!strcmp(key, "bus")) snprintf(d->bus, sizeof d->bus, "%s", rest);
+        else if (!strcmp(key, "minor")) d->minor = (unsigned int)n;
+        else if (!strcmp(key, "ecc_corrected_volatile")) d->ecc[0][0] = n;
+        else if (!strcmp(key, "ecc_corrected_aggregate")) d->ecc[0][1] = n;
+        else if (!strcmp(key, "ecc_uncorrected_volatile")) d->ecc[1][0] = n;
+        else if (!strcmp(key, "ecc_uncorrected_aggregate")) d->ecc[1][1] = n;
+        else if (!strcmp(key, "retired_sbe")) d->retired[0] = (unsigned int)n;
+        else if (!strcmp(key, "retired_dbe")) d->retired[1] = (unsigned int)n;
+        else if (!strcmp(key, "retired_pending")) d->retired_pending = (unsigned int)n;
+        else if (!strcmp(key, "remap_correctable")) d->remap_correctable = (unsigned int)n;
+        else if (!strcmp(key, "remap_uncorrectable")) d->remap_uncorrectable = (unsigned int)n;
+        else if (!strcmp(key, "remap_pending")) d->remap_pending = (unsigned int)n;
+        else if (!strcmp(key, "remap_failure")) d->remap_failure = (unsigned int)n;
+        else if (!strcmp(key, "recovery_action")) d->recovery_action = (unsigned int)n;
+        else if (!strcmp(key, "recovery_return")) d->recovery_return = (int)n;
+        else if (!strcmp(key, "clock_event_reasons")) d->clock_event_reasons = n;
+        else if (!strcmp(key, "memory_total_mib")) d->memory_total = n << 20;
+        else if (!strcmp(key, "memory_used_mib")) d->memory_used = n << 20;
+        else if (!strcmp(key, "temperature")) d->temperature = (unsigned int)n;
+        else if (!strcmp(key, "power_mw")) d->power_mw = (unsigned int)n;
+        else if (!strcmp(key, "handle_error")) d->handle_error = (int)n;
+        else if (!strcmp(key, "compute_process") || !strcmp(key, "graphics_process")) {
+            int kind = key[0] == 'g';
+            unsigned int pid = 0;
+            unsigned long long mib = 0;
+            if (sscanf(rest, "%u %llu", &pid, &mib) == 2 && d->nprocs[kind] < MAX_PROCS) {
+                d->procs[kind][d->nprocs[kind]].pid = pid;
+                d->procs[kind][d->nprocs[kind]++].used = mib << 20;
+            }
+        } else if (!strcmp(key, "error") && d->nerrors < MAX_ERRORS) {
+            struct fake_error *e = &d->errors[d->nerrors];
+            if (sscanf(rest, "%79s %d", e->call, &e->code) == 2) d->nerrors++;
+        }
+    }
+    fclose(f);
+}
+
+/* The injected return code of `call` on device d, or success. Also checks init and logs the call. */
+static nvmlReturn_t enter(const char *call, nvmlDevice_t d) {
+    log_call(call);
+    if (!initialized) return NVML_ERROR_UNINITIALIZED;
+    if (d) {
+        for (int i = 0; i < d->nerrors; i++)
+            if (!strcmp(d->errors[i].call, call) || !strcmp(d->errors[i].call, "*")) return d->errors[i].code;
+    }
+    return NVML_SUCCESS;
+}
+
+#define ENTER(d) do { nvmlReturn_t r_ = enter(__func__, d); if (r_) return r_; } while (0)
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    log_call(__func__);
+    load_config();
+    if (init_error) return init_error;
+    initialized = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlShutdown(void) {
+    ENTER(NULL);
+    initialized = 0;
+    return NVML_SUCCESS;
+}
+
+const char *nvmlErrorString(nvmlReturn_t result) {
+    static char text[64];
+    snprintf(text, sizeof text, "fake NVML error %d", result);
+    return text;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    ENTER(NULL);
+    snprintf(version, length, "%s", driver_version);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    ENTER(NULL);
+    *count = (unsigned int)ndevices;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    ENTER(NULL);
+    if (index >= (unsigned int)ndevices) return NVML_ERROR_INVALID_ARGUMENT;
+    if (devices[index].handle_error) return devices[index].handle_error;
+    *device = &devices[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int length) {
+    ENTER(d);
+    snprintf(name, length, "%s", d->name);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int length) {
+    ENTER(d);
+    snprintf(uuid, length, "%s", d->uuid);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor) {
+    ENTER(d);
+    *minor = d->minor;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci) {
+    ENTER(d);
+    memset(pci, 0, sizeof *pci);
+    snprintf(pci->busId, sizeof pci->busId, "%s", d->bus);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%s", d->bus + 4);
+    pci->pciDeviceId = 0x233010DE;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t d, int errorType, int counterType, unsigned long long *count) {
+    ENTER(d);
+    if (errorType < 0 || errorType > 1 || counterType < 0 || counterType > 1) return NVML_ERROR_INVALID_ARGUMENT;
+    *count = d->ecc[errorType][counterType];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPages(nvmlDevice_t d, int cause, unsigned int *count, unsigned long long *addresses) {
+    ENTER(d);
+    if (cause < 0 || cause > 1) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int pages = d->retired[cause];
+    if (!addresses || *count < pages) {
+        *count = pages;
+        return pages ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    for (unsigned int i = 0; i < pages; i++) addresses[i] = 0x1000ULL * (i + 1) + (unsigned long long)cause;
+    *count = pages;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t d, unsigned int *isPending) {
+    ENTER(d);
+    *isPending = d->retired_pending;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t d, unsigned int *corrRows, unsigned int *uncRows,
+                                       unsigned int *isPending, unsigned int *failureOccurred) {
+    ENTER(d);
+    *corrRows = d->remap_correctable;
+    *uncRows = d->remap_uncorrectable;
+    *isPending = d->remap_pending;
+    *failureOccurred = d->remap_failure;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int valuesCount, nvmlFieldValue_t *values) {
+    ENTER(d);
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        v->timestamp = 0;
+        v->latencyUsec = 0;
+        if (v->fieldId == 230 /* NVML_FI_DEV_GET_GPU_RECOVERY_ACTION */) {
+            v->nvmlReturn = d->recovery_return;
+            v->valueType = 1; /* NVML_VALUE_TYPE_UNSIGNED_INT */
+            v->value.uiVal = d->recovery_action;
+        } else {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t d, unsigned long long *reasons) {
+    ENTER(d);
+    *reasons = d->clock_event_reasons;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *memory) {
+    ENTER(d);
+    memory->total = d->memory_total;
+    memory->used = d->memory_used;
+    memory->free = d->memory_total - d->memory_used;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t processes(nvmlDevice_t d, int kind, unsigned int *count, nvmlProcessInfo_t *infos) {
+    unsigned int n = (unsigned int)d->nprocs[kind];
+    if (!infos || *count < n) {
+        *count = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    for (unsigned int i = 0; i < n; i++) {
+        infos[i].pid = d->procs[kind][i].pid;
+        infos[i].usedGpuMemory = d->procs[kind][i].used;
+        infos[i].gpuInstanceId = 0xFFFFFFFFu;
+        infos[i].computeInstanceId = 0xFFFFFFFFu;
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    ENTER(d);
+    return processes(d, 0, count, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    ENTER(d);
+    return processes(d, 1, count, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t d, int sensor, unsigned int *temp) {
+    ENTER(d);
+    if (sensor != 0) return NVML_ERROR_INVALID_ARGUMENT;
+    *temp = d->temperature;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power) {
+    ENTER(d);
+    *power = d->power_mw;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceValidateInforom(nvmlDevice_t d) {
+    ENTER(d);
+    return NVML_SUCCESS;
+}
