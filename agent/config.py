@@ -386,7 +386,7 @@ class TimeConfig(Section):
     warn_offset_seconds: PositiveSeconds = 0.1
     fail_offset_seconds: PositiveSeconds = 1.0
     ntp_timeout_seconds: PositiveSeconds = 2.0
-    # argv prefix for chronyc; `-n tracking` is appended. e.g. [nsenter, -t, 1, -n, --, chronyc]
+    # argv prefix for chronyc; `-n tracking` is appended. e.g. [nsenter, -t, 1, -m, -n, --, chronyc]
     chronyc_command: list[str] = ["chronyc"]
     chronyc_timeout_seconds: PositiveSeconds = 2.0
 
