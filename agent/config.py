@@ -389,6 +389,8 @@ class TimeConfig(Section):
     # argv prefix for chronyc; `-n tracking` is appended. e.g. [nsenter, -t, 1, -m, -n, --, chronyc]
     chronyc_command: list[str] = ["chronyc"]
     chronyc_timeout_seconds: PositiveSeconds = 2.0
+    # An unsynchronised kernel clock that no NTP server could be asked about: warn (default) or fail.
+    unsynced_status: Literal["warn", "fail"] = "warn"
 
     @field_validator("ntp_servers")
     @classmethod

@@ -1,0 +1,377 @@
+"""Real servers for the network and time tests, all on 127.0.0.1 with ports chosen by the kernel.
+
+DNS (dnslib), SNTP (with skew and the broken answers real servers give), TCP, HTTP and HTTPS with a
+self-signed certificate made by `openssl`, and an HTTP CONNECT proxy. Each runs in daemon threads and
+is stopped by `close()`; the `servers` context manager closes everything it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import select
+import socket
+import socketserver
+import ssl
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib.server import BaseResolver, DNSLogger, DNSServer
+
+LOOPBACK = "127.0.0.1"
+NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900-01-01 to 1970-01-01
+
+
+class ZoneResolver(BaseResolver):
+    """A names → IPv4 answers; listed names answer NXDOMAIN or SERVFAIL; `delay` slows every answer."""
+
+    def __init__(
+        self,
+        a_records: dict[str, str],
+        nxdomain: tuple[str, ...] = (),
+        servfail: tuple[str, ...] = (),
+        delay: float = 0.0,
+    ) -> None:
+        self.a_records = {name.rstrip(".").lower(): ip for name, ip in a_records.items()}
+        self.nxdomain = {name.rstrip(".").lower() for name in nxdomain}
+        self.servfail = {name.rstrip(".").lower() for name in servfail}
+        self.delay = delay
+
+    def resolve(self, request: DNSRecord, handler: Any) -> DNSRecord:
+        if self.delay:
+            time.sleep(self.delay)
+        reply = request.reply()
+        qname = str(request.q.qname).rstrip(".").lower()
+        if qname in self.servfail:
+            reply.header.rcode = RCODE.SERVFAIL
+        elif qname in self.a_records:
+            if request.q.qtype == QTYPE.A:
+                reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(self.a_records[qname]), ttl=60))
+        else:
+            reply.header.rcode = RCODE.NXDOMAIN
+        return reply
+
+
+class DnsTestServer:
+    def __init__(self, resolver: ZoneResolver, address: str = LOOPBACK, port: int = 0) -> None:
+        quiet = DNSLogger(log="-request,-reply,-truncated,-error,-recv,-send,-data", logf=lambda _msg: None)
+        self._server = DNSServer(resolver, address=address, port=port, logger=quiet)
+        self.host: str = address
+        self.port: int = self._server.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._server.server.shutdown()
+        self._server.server.server_close()
+
+
+class SilentUdpPort:
+    """A bound UDP socket nobody reads: queries to it are never answered (and get no ICMP error)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((LOOPBACK, 0))
+        self.port: int = self.sock.getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def to_ntp(unix_time: float) -> bytes:
+    seconds = unix_time + NTP_EPOCH_OFFSET
+    whole = int(seconds)
+    return struct.pack("!II", whole, int((seconds - whole) * 2**32) & 0xFFFFFFFF)
+
+
+class SntpTestServer:
+    """An SNTP server whose clock is `skew` seconds off, optionally answering like a broken server."""
+
+    def __init__(
+        self,
+        skew: float = 0.0,
+        stratum: int = 2,
+        leap: int = 0,
+        wrong_origin: bool = False,
+        reference_id: bytes = b"\x7f\x00\x00\x01",
+        mode: int = 4,
+    ) -> None:
+        self.skew = skew
+        self.stratum = stratum
+        self.leap = leap
+        self.wrong_origin = wrong_origin
+        self.reference_id = reference_id
+        self.mode = mode
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((LOOPBACK, 0))
+        self.port: int = self.sock.getsockname()[1]
+        self.queries = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.sock], [], [], 0.1)
+            if not ready:
+                continue
+            try:
+                data, peer = self.sock.recvfrom(512)
+            except OSError:
+                return
+            if len(data) < 48:
+                continue
+            self.queries += 1
+            received = time.time() + self.skew
+            origin = data[40:48]
+            if self.wrong_origin:
+                origin = bytes(b ^ 0xFF for b in origin)
+            version = (data[0] >> 3) & 0x7
+            header = struct.pack(
+                "!BBbb", (self.leap << 6) | (version << 3) | self.mode, self.stratum, 6, -20
+            )  # poll 2^6 s, precision 2^-20 s
+            root = struct.pack("!II", 0x00000100, 0x00000200)
+            reply = (
+                header
+                + root
+                + self.reference_id
+                + to_ntp(received - 16)
+                + origin
+                + to_ntp(received)
+                + to_ntp(time.time() + self.skew)
+            )
+            with contextlib.suppress(OSError):
+                self.sock.sendto(reply, peer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+class TcpAcceptServer:
+    """Accepts TCP connections and closes them (a plain port that is open)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((LOOPBACK, 0))
+        self.sock.listen(16)
+        self.port: int = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.sock], [], [], 0.1)
+            if ready:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+def refused_port() -> int:
+    """A loopback port with nothing listening (bound then released, so it is not ephemeral-in-use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def make_self_signed(directory: Path, hostname: str) -> tuple[Path, Path]:
+    """A self-signed certificate for `hostname` (and 127.0.0.1), made with the openssl CLI."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={hostname}",
+            "-addext",
+            f"subjectAltName=DNS:{hostname},IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
+
+
+class _StatusHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        status = self.server.statuses.get(self.path, 404)  # type: ignore[attr-defined]
+        body = f"status {status}\n".encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _QuietHttpServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients that hang up mid-handshake (TLS verification failures) are part of the tests
+
+
+class HttpTestServer:
+    """HTTP (or HTTPS with `tls=(cert, key)`) answering each path in `statuses` with that status."""
+
+    def __init__(self, statuses: dict[str, int], tls: tuple[Path, Path] | None = None) -> None:
+        self._server = _QuietHttpServer((LOOPBACK, 0), _StatusHandler)
+        self._server.statuses = statuses  # type: ignore[attr-defined]
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(str(tls[0]), str(tls[1]))
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class _ConnectHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        conn: socket.socket = self.request
+        conn.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return
+            data += chunk
+        method, target, _ = data.split(b"\r\n", 1)[0].decode().split(" ", 2)
+        host, _, port = target.rpartition(":")
+        upstream_port = self.server.routes.get(host)  # type: ignore[attr-defined]
+        if method != "CONNECT" or upstream_port is None:
+            conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+            return
+        try:
+            upstream = socket.create_connection((LOOPBACK, upstream_port or int(port)), timeout=5)
+        except OSError:
+            conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+            return
+        conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        with upstream:
+            _pipe(conn, upstream)
+
+
+def _pipe(a: socket.socket, b: socket.socket) -> None:
+    peers = {a: b, b: a}
+    while True:
+        ready, _, _ = select.select(list(peers), [], [], 5)
+        if not ready:
+            return
+        for sock in ready:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            peers[sock].sendall(chunk)
+
+
+class _ThreadingTcp(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class ConnectProxy:
+    """An HTTP CONNECT proxy that tunnels to 127.0.0.1:<routes[host]> and answers 403 for other hosts."""
+
+    def __init__(self, routes: dict[str, int]) -> None:
+        self._server = _ThreadingTcp((LOOPBACK, 0), _ConnectHandler)
+        self._server.routes = routes  # type: ignore[attr-defined]
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Netns:
+    """A network namespace created for a test (`ip netns add`), deleted by close()."""
+
+    def __init__(self, prefix: str = "nhtest") -> None:
+        self.name = f"{prefix}{os.getpid()}_{time.monotonic_ns() % 1_000_000}"
+        self.ip("netns", "add", self.name, netns=False)
+        self.path = f"/run/netns/{self.name}"
+        self.ip("link", "set", "lo", "up")
+
+    def ip(self, *args: str, netns: bool = True, check: bool = True) -> subprocess.CompletedProcess[str]:
+        argv = ["ip", *(["-n", self.name] if netns else []), *args]
+        return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
+
+    def exec(self, argv: list[str], timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.name, *argv], capture_output=True, text=True, timeout=timeout, **kw
+        )
+
+    def close(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def servers() -> Iterator[list[Any]]:
+    """Collects servers a test starts and closes them all at the end, whatever happens."""
+    started: list[Any] = []
+    try:
+        yield started
+    finally:
+        for server in reversed(started):
+            with contextlib.suppress(Exception):
+                server.close()
