@@ -124,7 +124,7 @@ class ChildCalls:
                 self._in_flight.pop(key, None)
         try:
             kind, value, err_no, message = pickle.loads(payload)
-        except Exception as exc:  # a child killed mid-write, or garbage
+        except Exception as exc:  # noqa: BLE001 - a child killed mid-write, or garbage
             return ChildResult("error", error=f"bad answer from child: {exc}", duration=duration)
         if kind == "ok":
             return ChildResult("ok", value=value, duration=duration)
@@ -135,6 +135,7 @@ def _child_main(read_fd: int, write_fd: int, fn: Callable[..., Any], args: tuple
     status = 0
     try:
         os.close(read_fd)
+        _drop_inherited_fds(write_fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
             outcome: tuple[str, Any, int | None, str] = ("ok", fn(*args), None, "")
@@ -145,17 +146,29 @@ def _child_main(read_fd: int, write_fd: int, fn: Callable[..., Any], args: tuple
                 exc.errno,
                 f"{exc.strerror or exc} ({errno_module.errorcode.get(exc.errno or 0, exc.errno)})",
             )
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, never raised in the child
             outcome = ("error", None, None, f"{type(exc).__name__}: {exc}")
         data = pickle.dumps(outcome)
         view = memoryview(data)
         while view:
             written = os.write(write_fd, view)
             view = view[written:]
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the child exits whatever happens
         status = 1
     finally:
         os._exit(status)
+
+
+def _drop_inherited_fds(keep: int) -> None:
+    """A child stuck on a hung mount may live for hours: it must not hold the agent's listening socket,
+    its stdout (a `node-health check | jq` would never end) or any other descriptor."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd != keep:
+            os.dup2(null, fd)
+    top = max(keep, null) + 1
+    os.closerange(3, keep)
+    os.closerange(keep + 1, max(top, os.sysconf("SC_OPEN_MAX")))
 
 
 def _read_until(fd: int, deadline: float) -> bytes | None:

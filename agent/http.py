@@ -1,7 +1,8 @@
 """HTTP on one port: /ready, /healthz, /metrics, /status. Read-only; answers from cached snapshots.
 
-The server runs its own asyncio loop in its own thread, so no probe, lock or Kubernetes call can delay
-it. Long-polls (`/ready?wait=S`) wait on a future resolved when the state publishes a new snapshot.
+The server (agent/httpserver.py) runs its own asyncio loop in its own thread, so no probe, lock or
+Kubernetes call can delay it. Long-polls (`/ready?wait=S`) wait on a future resolved when the state
+publishes a new snapshot.
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
+from agent.httpserver import HttpServerCore, Request, Response
 from agent.state import HealthState, Snapshot, Verdict, reason_dict
 from probes.base import CATEGORIES
 
 log = logging.getLogger(__name__)
 
 READY_PARAMS = frozenset({"checks", "devices", "min_hbm_free_mib", "wait"})
-JSON_TYPE = "application/json"
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class BadQuery(ValueError):
@@ -55,15 +55,15 @@ def _number(name: str, text: str, upper: float | None = None) -> float:
     return value
 
 
-def parse_ready_query(query: Any, known_checks: Collection[str], max_wait: float) -> ReadyQuery:
-    """Validate /ready's query (a multidict or mapping of lists). Raises BadQuery with the reason."""
-    keys = list(query.keys())
-    unknown = sorted(set(keys) - READY_PARAMS)
+def parse_ready_query(raw: dict[str, list[str]], known_checks: Collection[str], max_wait: float) -> ReadyQuery:
+    """Validate /ready's query (name → values, as parse_qs gives). Raises BadQuery with the reason."""
+    unknown = sorted(set(raw) - READY_PARAMS)
     if unknown:
         raise BadQuery(f"unknown parameter {unknown[0]!r} (allowed: {', '.join(sorted(READY_PARAMS))})")
-    for key in set(keys):
-        if len(query.getall(key)) > 1:
+    for key, values in raw.items():
+        if len(values) > 1:
             raise BadQuery(f"parameter {key!r} given more than once")
+    query = {key: values[0] for key, values in raw.items()}
     checks = devices = minimum = None
     wait = 0.0
     if "checks" in query:
@@ -114,10 +114,17 @@ class HttpServer:
         self.address = address
         self.port = port
         self.max_wait = max_wait
+        self._core = HttpServerCore(
+            {
+                "/ready": self._ready,
+                "/healthz": self._healthz_handler,
+                "/metrics": self._metrics,
+                "/status": self._status,
+            }
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future[None] | None = None
         self._plain_cache: tuple[int, bytes, float] | None = None
-        self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -136,14 +143,13 @@ class HttpServer:
 
     def stop(self, timeout: float = 3.0) -> None:
         loop = self._loop
-        if loop is None:
+        if loop is None or loop.is_closed():
             return
-        if self._runner is not None:
-            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
-            try:
-                fut.result(timeout)
-            except Exception:
-                pass
+        future = asyncio.run_coroutine_threadsafe(self._core.close(), loop)
+        try:
+            future.result(timeout)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout)
@@ -153,31 +159,18 @@ class HttpServer:
         self._loop = loop
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(self._setup())
-        except BaseException as exc:
+            self._changed = loop.create_future()
+            self.port = loop.run_until_complete(self._core.listen(self.address, self.port))
+        except BaseException as exc:  # noqa: BLE001 - reported to start()
             self._start_error = exc
             self._started.set()
+            loop.close()
             return
         self._started.set()
         try:
             loop.run_forever()
         finally:
             loop.close()
-
-    async def _setup(self) -> None:
-        self._changed = asyncio.get_running_loop().create_future()
-        app = web.Application()
-        app.router.add_get("/ready", self._ready)
-        app.router.add_get("/healthz", self._healthz_handler)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/status", self._status)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.address, self.port, backlog=1024, reuse_address=True)
-        await site.start()
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
 
     def _on_snapshot(self, _snapshot: Snapshot) -> None:
         loop = self._loop
@@ -195,7 +188,7 @@ class HttpServer:
 
     # --- handlers --------------------------------------------------------------------------------
 
-    async def _ready(self, request: web.Request) -> web.Response:
+    def _ready(self, request: Request) -> Response | Awaitable[Response]:
         if not request.query_string:
             fast = self._plain_ready()
             if fast is not None:
@@ -206,21 +199,25 @@ class HttpServer:
             return _json({"error": str(exc)}, 400)
         snapshot = self._state.snapshot.current()
         verdict = snapshot.evaluate(query.checks, query.devices, query.min_hbm_free_mib)
-        if not verdict.ready and query.wait > 0:
-            deadline = time.monotonic() + query.wait
-            while not verdict.ready:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._changed is None:
-                    break
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._changed), remaining)
-                except asyncio.TimeoutError:
-                    pass
-                snapshot = self._state.snapshot.current()
-                verdict = snapshot.evaluate(query.checks, query.devices, query.min_hbm_free_mib)
-        return _json(ready_body(snapshot.node, verdict), 200 if verdict.ready else 503)
+        if verdict.ready or query.wait <= 0:
+            return _json(ready_body(snapshot.node, verdict), 200 if verdict.ready else 503)
+        return self._long_poll(query)
 
-    def _plain_ready(self) -> web.Response | None:
+    async def _long_poll(self, query: ReadyQuery) -> Response:
+        deadline = time.monotonic() + query.wait
+        while True:
+            snapshot = self._state.snapshot.current()
+            verdict = snapshot.evaluate(query.checks, query.devices, query.min_hbm_free_mib)
+            remaining = deadline - time.monotonic()
+            if verdict.ready or remaining <= 0 or self._changed is None:
+                return _json(ready_body(snapshot.node, verdict), 200 if verdict.ready else 503)
+            try:
+                # Also wake each second: a result may go stale (or fresh) without a new snapshot.
+                await asyncio.wait_for(asyncio.shield(self._changed), min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    def _plain_ready(self) -> Response | None:
         """/ready without parameters, the pre-flight every job sends: the body is serialized once per
         snapshot and only the age is filled in per request."""
         snapshot = self._state.snapshot
@@ -233,31 +230,26 @@ class HttpServer:
             cached = (snapshot.version, prefix.encode() + b'"age_seconds": ', snapshot.oldest_observed)
             self._plain_cache = cached
         age = max(0.0, time.time() - cached[2])
-        return web.Response(
-            body=cached[1] + f"{age:.3f}}}".encode(),
-            status=200 if snapshot.ready else 503,
-            content_type=JSON_TYPE,
-        )
+        return Response(200 if snapshot.ready else 503, cached[1] + f"{age:.3f}}}".encode())
 
-    async def _healthz_handler(self, request: web.Request) -> web.Response:
-        if request.query:
+    def _healthz_handler(self, request: Request) -> Response:
+        if request.query_string:
             return _json({"error": "/healthz takes no parameters"}, 400)
         healthy, detail = self._healthz()
         return _json({"ok": healthy, **detail}, 200 if healthy else 503)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        if request.query:
+    def _metrics(self, request: Request) -> Response:
+        if request.query_string:
             return _json({"error": "/metrics takes no parameters"}, 400)
-        body = self._render_metrics()
-        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return Response(200, self._render_metrics(), content_type=METRICS_TYPE)
 
-    async def _status(self, request: web.Request) -> web.Response:
-        if request.query:
+    def _status(self, request: Request) -> Response:
+        if request.query_string:
             return _json({"error": "/status takes no parameters"}, 400)
         document = self._state.snapshot.current().to_document()
         try:
             document.update(self._status_extra())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the core document still answers
             document["status_extra_error"] = str(exc)
         return _json(document, 200)
 
@@ -271,5 +263,5 @@ def ready_body(node: str, verdict: Verdict) -> dict[str, Any]:
     }
 
 
-def _json(body: dict[str, Any], status: int) -> web.Response:
-    return web.Response(body=json.dumps(body).encode(), status=status, content_type=JSON_TYPE)
+def _json(body: dict[str, Any], status: int) -> Response:
+    return Response(status, json.dumps(body).encode())

@@ -34,7 +34,7 @@ class SnapshotCollector:
         for source in self._sources:
             try:
                 samples.extend(source())
-            except Exception:
+            except Exception:  # noqa: BLE001 - a broken source must not break /metrics
                 continue
         yield from sample_families(samples)
 

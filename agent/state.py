@@ -492,7 +492,7 @@ class HealthState:
         for listener in list(self._listeners):
             try:
                 listener(self._snapshot)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a listener must never break the state
                 pass
 
     def _build(self, bump: bool = True) -> Snapshot:

@@ -621,7 +621,7 @@ def check_egress(
         result.error = exc
     except OSError as exc:
         result.error = EgressError("EgressRefused", f"{type(exc).__name__}: {exc}", phase="connect", errno=exc.errno)
-    except Exception as exc:  # a bug or an exotic library error must not take the other targets down
+    except Exception as exc:  # noqa: BLE001 - a bug or an exotic library error must not take the other targets down
         result.error = EgressError("EgressCheckFailed", f"the check itself failed: {type(exc).__name__}: {exc}")
     finally:
         if sock is not None:
@@ -862,7 +862,7 @@ def snapshot_in_netns(netns_path: str, timeout: float) -> NetSnapshot:
             finally:
                 os.close(fd)
             box["value"] = read_netlink_snapshot(netns_path)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller thread, never lost
             box["error"] = exc
 
     thread = threading.Thread(target=work, name="netns-links", daemon=True)

@@ -83,3 +83,26 @@ def test_an_unreapable_child_blocks_new_children_for_its_key_only(tmp_path) -> N
         os.kill(blocker, 9)
         os.waitpid(blocker, 0)
     assert calls.call("mount:/a", statvfs_in_child, str(tmp_path), timeout=5).ok
+
+
+def report_own_fds() -> list[int]:
+    return sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+
+
+def test_children_hold_none_of_the_agents_descriptors(tmp_path) -> None:
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    held = open(tmp_path / "held", "w")
+    try:
+        result = ChildCalls().call("fds", report_own_fds, timeout=5)
+        assert result.ok
+        # 0-2 (pointed at /dev/null), the answer pipe, and the one listdir itself opened.
+        assert listener.fileno() not in result.value
+        assert held.fileno() not in result.value
+        assert len(result.value) <= 5, result.value
+    finally:
+        listener.close()
+        held.close()
