@@ -146,11 +146,11 @@ class Agent:
         log.info("serving on %s:%d", self.config.http.address, port)
         self.scheduler.start()
         if self.config.kubernetes.enabled and not self.no_kube:
-            from agent.kube import KubeAgent, load_api_client  # the kubernetes client is heavy: only when used
+            from agent.kube import KubeAgent  # the kubernetes client is heavy: only when used
 
-            self.kube = KubeAgent(
-                self.config, self.config.resolved_node_name, lambda: self.state.snapshot, load_api_client(self.config)
-            )
+            # No client given: KubeAgent loads it itself and backs off while that fails, so a missing
+            # service account or kubeconfig never keeps HTTP and metrics from serving.
+            self.kube = KubeAgent(self.config, self.config.resolved_node_name, lambda: self.state.snapshot.current())
             self.kube.start()
 
     def request_stop(self, *_: Any) -> None:

@@ -105,6 +105,8 @@ def classify(exc: BaseException) -> str:
         return "other"
     if isinstance(exc, BudgetConflict):
         return "conflict"
+    if isinstance(exc, urllib3.exceptions.NewConnectionError):
+        return "unreachable"  # a subclass of ConnectTimeoutError in urllib3 2, yet "connection refused"
     if isinstance(exc, (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ConnectTimeoutError, TimeoutError)):
         return "timeout"
     if isinstance(exc, urllib3.exceptions.MaxRetryError):
@@ -236,7 +238,7 @@ class KubeAgent:
             self._last_attempt = self._clock()
             try:
                 self._pass()
-            except Exception as exc:  # noqa: BLE001 - an API failure must never stop the agent
+            except Exception as exc:
                 self._failed(exc)
             else:
                 self._failures = 0
@@ -279,7 +281,7 @@ class KubeAgent:
                 policy.key_prefix,
                 self._clock,
                 policy.request_timeout_seconds,
-                lambda kind: self._wrote(kind, "budget slot"),
+                lambda what: self._wrote("budget", what),
             )
         return self._budget_obj
 

@@ -79,7 +79,7 @@ class TaintBudget:
         body = _json(response)
         return dict(body.get("data") or {}), body["metadata"]["resourceVersion"]
 
-    def _write(self, data: dict[str, str], resource_version: str | None) -> bool:
+    def _write(self, data: dict[str, str], resource_version: str | None, what: str) -> bool:
         """CAS; False when somebody else wrote first."""
         body = kubernetes.client.V1ConfigMap(
             api_version="v1",
@@ -105,7 +105,7 @@ class TaintBudget:
             if exc.status == 409:
                 return False
             raise
-        self._on_write("budget")
+        self._on_write(what)
         return True
 
     def _nodes(self, selector: str) -> dict[str, bool]:
@@ -135,13 +135,13 @@ class TaintBudget:
             kept = self._prune(data, nodes, grace_seconds)
             holders = self._holders(kept, nodes, grace_seconds)
             if self.node not in holders and len(holders) >= limit:
-                if kept != data and self._write(kept, version):
+                if kept != data and self._write(kept, version, f"pruned {sorted(set(data) - set(kept))}"):
                     return BudgetResult(False, len(holders), limit, len(nodes), wrote=True)
                 if kept != data:
                     continue
                 return BudgetResult(False, len(holders), limit, len(nodes))
             kept[self.node] = json.dumps({"acquired_at": round(self._clock(), 3), "taints": taints}, sort_keys=True)
-            if self._write(kept, version):
+            if self._write(kept, version, f"took a slot ({len(holders) + 1} of {limit}) for {taints}"):
                 return BudgetResult(True, len(holders | {self.node}), limit, len(nodes), wrote=True)
         raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
 
@@ -152,7 +152,7 @@ class TaintBudget:
             if self.node not in data or version is None:
                 return False
             del data[self.node]
-            if self._write(data, version):
+            if self._write(data, version, "released this node's slot"):
                 return True
         raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
 

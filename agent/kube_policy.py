@@ -83,13 +83,25 @@ def _ignored(finding: Finding, policy: KubernetesConfig) -> bool:
     return finding.reason in policy.disabled_reasons or matches_any(finding.check, policy.disabled_checks)
 
 
+def _check_disabled(finding: Finding, policy: KubernetesConfig) -> bool:
+    return matches_any(finding.check, policy.disabled_checks)
+
+
+def _counts(finding: Finding, policy: KubernetesConfig) -> bool:
+    """A finding whose reason is disabled is not a problem on the Node (it still is over HTTP)."""
+    return finding.reason not in policy.disabled_reasons
+
+
 def _describe(states: Collection[CheckState]) -> str:
     parts = []
     for state in states:
         f = state.finding
         where = f"{f.check} {f.subject}".strip()
         parts.append(f"{where}: {f.reason}: {f.message}")
-    text = "; ".join(parts)
+    return _clip("; ".join(parts))
+
+
+def _clip(text: str) -> str:
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 1] + "…"
 
 
@@ -103,13 +115,14 @@ def category_intents(
     category: str, states: Collection[CheckState], policy: KubernetesConfig
 ) -> tuple[TaintIntent, ConditionIntent]:
     condition_type = CONDITION_TYPES[category]
-    relevant = [s for s in states if s.finding.status != Status.SKIP and not _ignored(s.finding, policy)]
+    relevant = [s for s in states if s.finding.status != Status.SKIP and not _check_disabled(s.finding, policy)]
     if not relevant:
         return TaintIntent(category, "none"), ConditionIntent(category, condition_type, "absent")
+    counted = [s for s in relevant if _counts(s.finding, policy)]
 
-    failing = sorted((s for s in relevant if s.finding.status == Status.FAIL), key=lambda s: _severity(s, policy))
-    warning = sorted((s for s in relevant if s.finding.status == Status.WARN), key=lambda s: _severity(s, policy))
-    unknown = [s for s in relevant if s.finding.status == Status.UNKNOWN]
+    failing = sorted((s for s in counted if s.finding.status == Status.FAIL), key=lambda s: _severity(s, policy))
+    warning = sorted((s for s in counted if s.finding.status == Status.WARN), key=lambda s: _severity(s, policy))
+    unknown = [s for s in counted if s.finding.status == Status.UNKNOWN]
     no_fresh = [s for s in unknown if s.finding.reason in NO_FRESH_RESULT]
 
     tainting = sorted(
@@ -141,7 +154,11 @@ def category_intents(
             category, condition_type, "set", "True", warning[0].finding.reason, _describe(warning)
         )
     else:
-        condition = ConditionIntent(category, condition_type, "set", "True", HEALTHY, f"{len(relevant)} checks passed")
+        ignored = [s for s in relevant if not _counts(s.finding, policy) and s.finding.status != Status.OK]
+        message = f"{len(relevant) - len(ignored)} of {len(relevant)} checks passed"
+        if ignored:
+            message += f"; disabled by kubernetes.disabled_reasons: {_describe(ignored)}"
+        condition = ConditionIntent(category, condition_type, "set", "True", HEALTHY, _clip(message))
     return taint, condition
 
 
