@@ -238,7 +238,7 @@ class KubeAgent:
             self._last_attempt = self._clock()
             try:
                 self._pass()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any API or client failure backs off, never kills the loop
                 self._failed(exc)
             else:
                 self._failures = 0

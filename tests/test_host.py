@@ -95,7 +95,7 @@ def test_children_hold_none_of_the_agents_descriptors(tmp_path) -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    held = open(tmp_path / "held", "w")
+    held = open(tmp_path / "held", "w")  # noqa: SIM115 - held open across the child call on purpose
     try:
         result = ChildCalls().call("fds", report_own_fds, timeout=5)
         assert result.ok

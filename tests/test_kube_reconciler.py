@@ -391,7 +391,7 @@ def wait_for(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyp
         try:
             if condition():
                 return
-        except Exception:
+        except Exception:  # noqa: BLE001 - the condition may race the agent; retry until the deadline
             pass
         time.sleep(0.02)
     raise AssertionError("condition not met in time")
