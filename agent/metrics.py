@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 from agent.state import CONDITION_TYPES, PROBLEM_STATUSES, Snapshot
@@ -72,7 +72,9 @@ def core_metrics(snap: Snapshot) -> Iterator[Metric]:
     yield problem
     yield npd_gauge
 
-    npd_counter = CounterMetricFamily(
+    # node-problem-detector exports this counter as `problem_counter`, without the `_total` suffix that
+    # prometheus_client appends to counters; untyped keeps the exact name existing NPD dashboards query.
+    npd_counter = UnknownMetricFamily(
         "problem_counter",
         "node-problem-detector compatible: times a problem with this reason began.",
         labels=["reason"],

@@ -153,7 +153,9 @@ class HostProbe(Probe):
                 )
             )
             out.append(
-                Sample("nodehealth_host_hugepages_total", "Hugepages of the default size.", meminfo["HugePages_Total"])
+                Sample(
+                    "nodehealth_host_hugepages", "Hugepages of the default size (reserved).", meminfo["HugePages_Total"]
+                )
             )
         shm_path = settings.shm.path
         local = (

@@ -1,0 +1,424 @@
+"""A fake accelerator node for end-to-end tests of the agent: `node-health run --no-kube` in a subprocess, with
+every probe family given something real to look at.
+
+- npu: `npu-smi` is tests/fake_npu_smi.py answering from the captured 910B output in the fixtures; /dev is a
+  temporary directory with mknod'ed davinci nodes; a child process holds davinci0 (a copy of /dev/full's
+  device number) outside any pod, so npu.holders reports NpuHeldOutOfBand.
+- gpu: NVML cannot load (a library path that does not exist), so the nvidia-smi fallback runs: the same fake
+  tool answers `-q` with the captured A100 output and the CSV queries the way driver 460 does; nvidia0..7
+  device nodes exist.
+- pcie: a temporary /sys with a Huawei NPU function and its root port, AER counters and link files in the
+  kernel's formats (the layout of tests/test_pcie.py).
+- storage: `/` as an expected mount, free space of the temp dir, a write probe, a stale torch FileBaton lock.
+- network and time: a DNS server (dnslib), an HTTP egress target and an SNTP server, all on 127.0.0.1.
+- kernel.log: the real /dev/kmsg when it can be read, else an empty file.
+- kubernetes (`kube=True`): the agent reconciles its Node on the in-repo API double (tests/kube_double.py)
+  through a kubeconfig; the taint budget is 0, so its taints are withheld (nodehealth_taint_suppressed).
+  With `kube=False` it runs `--no-kube`.
+
+`FakeNode` is a context manager; everything it starts is stopped on exit, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+from kube_double import ApiDouble
+from netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_SMI = Path(__file__).resolve().parent / "fake_npu_smi.py"
+
+NPU_INFO_FIXTURE = "npu-smi/910b1-8card-healthy-1proc-info-24.1.0.txt"
+GPU_QUERY_FIXTURE = "nvidia-smi/a100-sxm4-40gb-8gpu-q-full-460.32.03-healthy.txt"
+NPU_CHIPS = 8
+GPUS = 8
+# Majors no driver registers here: the nodes exist for discovery, nobody can open them.
+UNUSED_MAJOR = 239
+HELD_DEVICE = "/dev/full"  # davinci0 shares its device number, so a holder can really open it
+
+DNS_NAME = "mirror.node-health.test"
+EGRESS_NAME = "mirror"
+
+# The PCI tree: NPU function 0000:01:00.0 below Huawei root port 0000:00:01.0 (cf. tests/test_pcie.py).
+NPU_PCI_CHAIN = ["pci0000:00", "0000:00:01.0", "0000:01:00.0"]
+COR_NAMES = ["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF"]
+UNCOR_NAMES = ["Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _aer_text(names: list[str], total_name: str, counts: dict[str, int]) -> str:
+    """drivers/pci/pcie/aer.c aer_stats_dev_attr(): `%s %llu` per named bit, then the TOTAL_ line."""
+    lines = [f"{name} {counts.get(name, 0)}" for name in names]
+    return "\n".join([*lines, f"{total_name} {sum(counts.values())}"]) + "\n"
+
+
+def write_aer(function: Path, fatal: dict[str, int], nonfatal: dict[str, int], correctable: dict[str, int]) -> None:
+    (function / "aer_dev_fatal").write_text(_aer_text(UNCOR_NAMES, "TOTAL_ERR_FATAL", fatal))
+    (function / "aer_dev_nonfatal").write_text(_aer_text(UNCOR_NAMES, "TOTAL_ERR_NONFATAL", nonfatal))
+    (function / "aer_dev_correctable").write_text(_aer_text(COR_NAMES, "TOTAL_ERR_COR", correctable))
+
+
+def build_sysfs(root: Path) -> Path:
+    """<root>/devices/pci0000:00/... with bus/pci/devices/<bdf> relative symlinks; returns the NPU function."""
+    (root / "bus" / "pci" / "devices").mkdir(parents=True)
+    function = root
+    for depth in range(2, len(NPU_PCI_CHAIN) + 1):
+        chain = NPU_PCI_CHAIN[:depth]
+        function = root / "devices" / Path(*chain)
+        function.mkdir(parents=True)
+        is_port = depth < len(NPU_PCI_CHAIN)
+        (function / "vendor").write_text("0x19e5\n")
+        (function / "device").write_text(("0xa120" if is_port else "0xd802") + "\n")
+        (function / "class").write_text(("0x060400" if is_port else "0x120000") + "\n")
+        (function / "current_link_width").write_text("16\n")
+        (function / "max_link_width").write_text("16\n")
+        (function / "current_link_speed").write_text("16.0 GT/s PCIe\n")
+        (function / "max_link_speed").write_text("16.0 GT/s PCIe\n")
+        write_aer(function, {}, {}, {"RxErr": 2} if not is_port else {})
+        target = os.path.relpath(function, root / "bus" / "pci" / "devices")
+        (root / "bus" / "pci" / "devices" / chain[-1]).symlink_to(target)
+    return function
+
+
+def build_dev(dev: Path) -> None:
+    """davinci0 (same device number as /dev/full), davinci1..7, davinci_manager, nvidia0..7."""
+    dev.mkdir()
+    os.mknod(dev / "davinci0", 0o666 | stat.S_IFCHR, os.stat(HELD_DEVICE).st_rdev)
+    for chip in range(1, NPU_CHIPS):
+        os.mknod(dev / f"davinci{chip}", 0o666 | stat.S_IFCHR, os.makedev(UNUSED_MAJOR, chip))
+    os.mknod(dev / "davinci_manager", 0o666 | stat.S_IFCHR, os.makedev(UNUSED_MAJOR, 100))
+    for gpu in range(GPUS):
+        os.mknod(dev / f"nvidia{gpu}", 0o666 | stat.S_IFCHR, os.makedev(UNUSED_MAJOR + 1, gpu))
+
+
+def npu_smi_spec(fixtures: Path, log: Path) -> dict[str, Any]:
+    return {
+        "responses": {"info": {"stdout_file": str(fixtures / NPU_INFO_FIXTURE)}},
+        # Anything else (`info -m`, ...) gets npu-smi's usage error: the probe falls back to table order.
+        "log": str(log),
+    }
+
+
+def nvidia_smi_spec(fixtures: Path) -> dict[str, Any]:
+    """`-q` from the fixture; the CSV queries answered as driver 460 does (no gpu_recovery_action field)."""
+    query = fixtures / GPU_QUERY_FIXTURE
+    bus_ids = re.findall(r"^GPU ([0-9A-Fa-f]+:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$", query.read_text(), re.M)
+    csv = "".join(f"{index}, {bus_id}\n" for index, bus_id in enumerate(bus_ids))
+    return {
+        "responses": {
+            "-q": {"stdout_file": str(query)},
+            "--query-gpu=index,pci.bus_id,gpu_recovery_action --format=csv,noheader": {
+                "stdout": 'Field "gpu_recovery_action" is not a valid field to query.\n\n',
+                "rc": 2,
+            },
+            "--query-gpu=index,pci.bus_id --format=csv,noheader": {"stdout": csv},
+        },
+        "default": {"stderr": "Invalid combination of input arguments.\n", "rc": 2},
+    }
+
+
+def kmsg_readable() -> bool:
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+class FakeNode:
+    """Prepare the tree and config, start the servers, the holder and the agent; stop them all on exit."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        fixtures: Path,
+        node_name: str = "fake-node-1",
+        interval: float = 1.0,
+        kube: bool = True,
+    ) -> None:
+        self.workdir = workdir
+        self.kube = kube
+        self.api: ApiDouble | None = None
+        self.fixtures = fixtures
+        self.node_name = node_name
+        self.interval = interval
+        self.port = free_port()
+        self.config_path = workdir / "node-health.yaml"
+        self.log_path = workdir / "agent.log"
+        self.kernel_log = kmsg_readable()
+        self._started: list[Any] = []
+        self._holder: subprocess.Popen[bytes] | None = None
+        self.agent: subprocess.Popen[bytes] | None = None
+
+    # --- set-up ----------------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        work = self.workdir
+        build_dev(work / "dev")
+        self.npu_function = build_sysfs(work / "sys")
+
+        npu_spec, gpu_spec = work / "npu-smi.json", work / "nvidia-smi.json"
+        npu_spec.write_text(json.dumps(npu_smi_spec(self.fixtures, work / "npu-smi.calls")))
+        gpu_spec.write_text(json.dumps(nvidia_smi_spec(self.fixtures)))
+
+        # A torch FileBaton left behind by a killed job: the file's existence is the lock.
+        lock = work / "cache" / "torch_extensions" / "py311_cpu" / "fused_adam" / "lock"
+        lock.parent.mkdir(parents=True)
+        lock.write_text("")
+        old = time.time() - 7200
+        os.utime(lock, (old, old))
+        (work / "write-probe").mkdir()
+
+        dns = DnsTestServer(ZoneResolver({DNS_NAME: "127.0.0.1"}))
+        self._started.append(dns)
+        egress = HttpTestServer({"/": 200})
+        self._started.append(egress)
+        sntp = SntpTestServer(skew=0.0)
+        self._started.append(sntp)
+
+        schedule = {"interval_seconds": self.interval, "jitter_fraction": 0.0}
+        config: dict[str, Any] = {
+            "node_name": self.node_name,
+            "http": {"address": "127.0.0.1", "port": self.port},
+            "logging": {"level": "warning"},
+            "health": {"fail_threshold": 1, "recovery_threshold": 1},
+            "probes": {
+                name: {**schedule, "timeout_seconds": 8.0}
+                for name in (
+                    "npu",
+                    "gpu",
+                    "pcie",
+                    "host",
+                    "kernel.log",
+                    "network.dns",
+                    "network.egress",
+                    "network.links",
+                    "network.ports",
+                    "storage.locks",
+                    "storage.mounts",
+                    "storage.space",
+                    "storage.write",
+                    "time",
+                )
+            },
+            "host": {"dev": str(work / "dev"), "sys": str(work / "sys")},
+            "npu": {"smi_command": [sys.executable, str(FAKE_SMI), str(npu_spec)]},
+            "gpu": {
+                "nvml_library": str(work / "no-such-libnvidia-ml.so.1"),
+                "smi_command": [sys.executable, str(FAKE_SMI), str(gpu_spec)],
+            },
+            "pcie": {"vendors": ["0x19e5"]},
+            "storage": {
+                "mounts": [{"path": "/", "fstype": "*"}],
+                "space": [{"path": str(work)}],
+                "write_probes": [{"path": str(work / "write-probe"), "bytes": 4096}],
+                "lock_globs": [str(work / "cache" / "torch_extensions" / "*" / "*" / "lock")],
+                "stale_lock_age_seconds": 600,
+            },
+            "network": {
+                "dns": {"names": [DNS_NAME], "nameservers": [dns.address], "cluster_names": []},
+                "egress": [
+                    {"name": EGRESS_NAME, "host": "127.0.0.1", "port": egress.port, "tls": False, "http_path": "/"}
+                ],
+            },
+            "time": {"ntp_servers": [sntp.address]},
+            "kernel_log": {"path": "/dev/kmsg" if self.kernel_log else str(self._empty_kmsg())},
+            "kubernetes": {"enabled": False},
+        }
+        if self.kube:
+            self.api = ApiDouble().start()
+            self._started.append(_Stoppable(self.api))
+            self.api.add_node(self.node_name, labels={"node.kubernetes.io/instance-type": "fake-910b"})
+            self.api.add_node("fake-node-2")
+            kubeconfig = work / "kubeconfig"
+            kubeconfig.write_text(
+                yaml.safe_dump(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "clusters": [{"name": "double", "cluster": {"server": self.api.host}}],
+                        "users": [{"name": "agent", "user": {"token": "fake"}}],
+                        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "agent"}}],
+                        "current-context": "double",
+                    }
+                )
+            )
+            config["kubernetes"] = {
+                "enabled": True,
+                "kubeconfig": str(kubeconfig),
+                "max_unhealthy": "0",
+                "budget_namespace": "node-health",
+                "poll_seconds": 0.5,
+            }
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return config
+
+    def _empty_kmsg(self) -> Path:
+        """Where /dev/kmsg cannot be read (no CAP_SYSLOG): an empty file, read the same way, matching nothing."""
+        path = self.workdir / "kmsg"
+        path.write_text("")
+        return path
+
+    def start_holder(self) -> None:
+        """A process outside any pod that opens davinci0 and keeps it open."""
+        code = "import sys,time; f=open(sys.argv[1],'rb'); print('held', flush=True); time.sleep(600)"
+        self._holder = subprocess.Popen(
+            [sys.executable, "-c", code, str(self.workdir / "dev" / "davinci0")], stdout=subprocess.PIPE
+        )
+        assert self._holder.stdout is not None
+        line = self._holder.stdout.readline()
+        if line.strip() != b"held":
+            raise RuntimeError("the davinci0 holder did not start")
+
+    def start_agent(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        with self.log_path.open("wb") as log:
+            self.agent = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "agent.cli",
+                    "run",
+                    *([] if self.kube else ["--no-kube"]),
+                    "--config",
+                    str(self.config_path),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its probe children go with it
+            )
+
+    def wait_ready_to_serve(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.agent is not None and self.agent.poll() is not None:
+                raise RuntimeError(f"the agent exited ({self.agent.returncode}): {self.log_path.read_text()[-2000:]}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(self.url("/healthz"), timeout=2).close()
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the agent did not serve within {timeout:g}s: {self.log_path.read_text()[-2000:]}")
+
+    def wait_all_probes_ran(self, timeout: float = 30.0) -> None:
+        """Until every enabled probe has finished a run, so /metrics carries every family's samples."""
+        deadline = time.monotonic() + timeout
+        pending: list[str] = []
+        while time.monotonic() < deadline:
+            pending = [p["name"] for p in self.status()["probes"] if not p.get("last_run")]
+            if not pending:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"probes without a finished run after {timeout:g}s: {pending}")
+
+    # --- use ---------------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return f"http://{self.address}{path}"
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=5) as response:
+            return str(response.read().decode())
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url("/status"), timeout=5) as response:
+            return dict(json.loads(response.read()))
+
+    def raise_fatal_aer(self) -> None:
+        """The kernel counts an uncorrectable fatal error on the NPU function."""
+        write_aer(self.npu_function, {"CmpltTO": 1}, {}, {"RxErr": 2})
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> FakeNode:
+        try:
+            self.prepare()
+            self.start_holder()
+            self.start_agent()
+            self.wait_ready_to_serve()
+            self.wait_all_probes_ran()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.agent is not None and self.agent.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.agent.pid, signal.SIGTERM)
+            try:
+                self.agent.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.agent.pid, signal.SIGKILL)
+                self.agent.wait(timeout=10)
+        if self._holder is not None and self._holder.poll() is None:
+            self._holder.kill()
+            self._holder.wait(timeout=10)
+        for server in reversed(self._started):
+            with contextlib.suppress(Exception):
+                server.close()
+        self._started.clear()
+
+
+class _Stoppable:
+    """close() for the API double, whose method is stop()."""
+
+    def __init__(self, api: ApiDouble) -> None:
+        self.api = api
+
+    def close(self) -> None:
+        self.api.stop()
+
+
+def main() -> int:
+    """Run a fake node by hand: `cd tests && python fake_node.py DIR` (Ctrl-C stops it)."""
+    from conftest import FIXTURES
+
+    workdir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/node-health-fake-node")
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave through the context manager's close()
+    with FakeNode(workdir, FIXTURES) as node:
+        print(f"agent on {node.url('/metrics')}, config {node.config_path}", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while node.agent is not None and node.agent.poll() is None:
+                time.sleep(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
