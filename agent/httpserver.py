@@ -12,8 +12,8 @@ keep-alive and pipelining; limits on header size, pipelined requests, connection
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -84,21 +84,34 @@ def parse_head(head: bytes) -> tuple[Request, bool, bool]:
     return Request(method, unquote(path), query, headers), keep_alive, has_body
 
 
-def encode_response(response: Response, keep_alive: bool, head_only: bool) -> bytes:
+def _status_line(status: int) -> bytes:
     try:
-        phrase = HTTPStatus(response.status).phrase
+        phrase = HTTPStatus(status).phrase
     except ValueError:
         phrase = "Unknown"
-    lines = [
-        f"HTTP/1.1 {response.status} {phrase}",
-        f"Content-Type: {response.content_type}",
-        f"Content-Length: {len(response.body)}",
+    return f"HTTP/1.1 {status} {phrase}\r\n".encode("latin-1")
+
+
+_STATUS_LINES = {int(status): _status_line(int(status)) for status in HTTPStatus}
+
+
+def encode_response(response: Response, keep_alive: bool, head_only: bool) -> bytes:
+    parts = [
+        _STATUS_LINES.get(response.status) or _status_line(response.status),
+        b"Content-Type: ",
+        response.content_type.encode("latin-1"),
+        b"\r\nContent-Length: ",
+        str(len(response.body)).encode(),
+        b"\r\n",
     ]
-    lines.extend(f"{name}: {value}" for name, value in response.headers.items())
+    for name, value in response.headers.items():
+        parts.append(f"{name}: {value}\r\n".encode("latin-1"))
     if not keep_alive:
-        lines.append("Connection: close")
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return head if head_only else head + response.body
+        parts.append(b"Connection: close\r\n")
+    parts.append(b"\r\n")
+    if not head_only:
+        parts.append(response.body)
+    return b"".join(parts)
 
 
 def error_response(status: int, message: str) -> Response:
@@ -116,6 +129,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False  # the client does not read its answers: stop answering until it does
         self._closing = False
         self._idle: asyncio.TimerHandle | None = None
+        self._last_activity = time.monotonic()
 
     # --- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -176,9 +190,9 @@ class _Connection(asyncio.Protocol):
     def _drain(self) -> None:
         while self._queue and not self._busy and not self._paused and not self._closing:
             request, keep_alive = self._queue.popleft()
-            self._arm_idle()
+            self._last_activity = time.monotonic()
             result = self._server.dispatch(request)
-            if inspect.isawaitable(result):
+            if not isinstance(result, Response):
                 self._busy = True
                 task = asyncio.ensure_future(result)
                 task.add_done_callback(lambda t, r=request, k=keep_alive: self._finish_async(t, r, k))
@@ -215,17 +229,17 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    def _arm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-        loop = asyncio.get_running_loop()
-        self._idle = loop.call_later(IDLE_TIMEOUT_SECONDS, self._on_idle)
+    def _arm_idle(self, delay: float = IDLE_TIMEOUT_SECONDS) -> None:
+        # One timer per connection, re-armed only when it fires: resetting a timer on every request
+        # would cost a heap operation per request on the hot path.
+        self._idle = asyncio.get_running_loop().call_later(delay, self._on_idle)
 
     def _on_idle(self) -> None:
-        if not self._busy:
-            self._close()
+        idle_for = time.monotonic() - self._last_activity
+        if self._busy or idle_for < IDLE_TIMEOUT_SECONDS:
+            self._arm_idle(max(1.0, IDLE_TIMEOUT_SECONDS - idle_for))
         else:
-            self._arm_idle()
+            self._close()
 
 
 class HttpServerCore:

@@ -33,5 +33,3 @@ def configure_logging(fmt: str = "text", level: str = "info") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.setLevel(level.upper())
-    # aiohttp logs every client disconnect at info; keep it to warnings.
-    logging.getLogger("aiohttp").setLevel(max(logging.WARNING, root.level))

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FLOOR = "import aiohttp, prometheus_client, pydantic, yaml, psutil, time; print('ready', flush=True); time.sleep(86400)"
+FLOOR = "import prometheus_client, pydantic, yaml, psutil, time; print('ready', flush=True); time.sleep(86400)"
 
 
 def usage(pid: int) -> tuple[float, float]:
