@@ -2,7 +2,7 @@
 
 One run reads every GPU once (probes/_nvml.py: one NVML pass, or `nvidia-smi -q` plus one CSV query), then
 scans /proc/*/fd for holders of /dev/nvidiaN. NVML calls run in this probe's thread: a wedged GPU can block
-one for a long time, and the scheduler's probe timeout is what bounds the run (see docs/gpu.md).
+one for a long time, and the scheduler's probe timeout is what bounds the run (see README.md, Probes, NVIDIA GPU).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ _DAVINCI = re.compile(r"^davinci(\d+)$")
 # Where npu-smi lives on Ascend hosts, for a command run in the host's mount namespace (nsenter ... --).
 _HOST_BIN_DIRS = ("/usr/local/bin", "/usr/local/sbin", "/usr/bin", "/usr/sbin", "/bin", "/sbin")
 
-# Metric value of each health word (documented in docs/npu.md).
+# Metric value of each health word (documented in README.md, Metrics).
 HEALTH_METRIC = {"ok": 0, "warning": 1, "alarm": 2, "critical": 3}
 HEALTH_METRIC_OTHER = 4  # UNKNOWN (device absent or not started) and words npu-smi has not printed before
 

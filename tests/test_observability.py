@@ -176,10 +176,10 @@ def test_podmonitor_adds_the_node_label_the_rules_and_dashboard_use() -> None:
 
 
 def test_documented_scrape_config_passes_promtool_and_adds_the_same_labels(tmp_path: Path) -> None:
-    """docs/observability.md's scrape config for Prometheus without the Operator: valid, same labels."""
-    text = (REPO / "docs" / "observability.md").read_text()
+    """The README's scrape config for Prometheus without the Operator: valid, same labels."""
+    text = (REPO / "README.md").read_text()
     block = re.search(r"```yaml\n(# prometheus.yml\n.*?)```", text, re.S)
-    assert block, "docs/observability.md lost its prometheus.yml example"
+    assert block, "README.md lost its prometheus.yml example"
     config = yaml.safe_load(block.group(1))
     job = config["scrape_configs"][0]
     assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
