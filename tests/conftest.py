@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,3 +50,12 @@ def require_fixtures() -> Path:
 @pytest.fixture
 def python_exe() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def double() -> Iterator[Any]:
+    """The Kubernetes API double (tests/kube_double.py) serving on 127.0.0.1, stopped afterwards."""
+    from kube_double import running_double
+
+    with running_double() as api:
+        yield api

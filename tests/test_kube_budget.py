@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,15 +24,6 @@ from agent.state import HealthState
 
 NODES = 100
 PROBES = {"network": ("network.dns",)}
-
-
-@pytest.fixture
-def double() -> Iterator[ApiDouble]:
-    api = ApiDouble().start()
-    try:
-        yield api
-    finally:
-        api.stop()
 
 
 @pytest.mark.parametrize(

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import kubernetes.client
 import pytest
 from kube_double import ApiDouble, json_patch, label_selector_matches, merge_patch, strategic_merge
 from kubernetes.client.rest import ApiException
 
 STRATEGIC = "application/strategic-merge-patch+json"
-
-
-@pytest.fixture
-def double() -> Iterator[ApiDouble]:
-    api = ApiDouble().start()
-    try:
-        yield api
-    finally:
-        api.stop()
 
 
 def test_strategic_merge_merges_conditions_by_type_and_replaces_taints() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kube_double import ApiDouble
+from kube_double import ApiDouble, running_double
 from kube_helpers import Clock, conditions, foreign_taints, health_state, labels, make_agent, our_taints, record
 
 PROBES = {"storage": ("storage.mounts",), "npu": ("npu.health",)}
@@ -56,11 +56,8 @@ step = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def double() -> Iterator[ApiDouble]:
-    api = ApiDouble().start()
-    try:
+    with running_double() as api:
         yield api
-    finally:
-        api.stop()
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,15 +30,6 @@ from agent.state import HealthState
 
 FOREIGN_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 FOREIGN_CONDITION = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting"}
-
-
-@pytest.fixture
-def double() -> Iterator[ApiDouble]:
-    api = ApiDouble().start()
-    try:
-        yield api
-    finally:
-        api.stop()
 
 
 def node_writes(double: ApiDouble, node: str) -> int:
