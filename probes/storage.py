@@ -1082,7 +1082,8 @@ class LocksProbe(Probe):
                 f"removed {len(removed)} stale node-local lock(s): {_path_list(removed)}",
                 "nothing to do; jobs that waited on it proceed. Frequent removals mean jobs get killed while "
                 "building extensions",
-                observed,
+                # The reconciler turns this into a Kubernetes event on the Node: a deletion is always told.
+                {**observed, "event": {"reason": "StaleLockRemoved", "message": f"removed {_path_list(removed)}"}},
             )
         return Finding(
             "storage.locks",
