@@ -233,6 +233,10 @@ class StorageConfig(Section):
     # File names (fnmatch) of existence-style locks (torch FileBaton: the file's existence is the lock).
     # Other lock files are flock-style unless they hold a SoftFileLock record ("<pid>\n<hostname>").
     baton_lock_names: list[str] = ["lock"]
+    # While stale locks exist: py-spy up to this many sleeping Python processes to find those waiting on
+    # them (ProcessWaitingOnFileBaton); 0 turns it off. py-spy pauses each process for a moment.
+    lock_waiter_max_processes: int = Field(8, ge=0)
+    py_spy_command: list[str] = ["py-spy"]
     # Filesystem types (fnmatch) where a lock holder may sit on another node: stale locks only warn there.
     shared_fstypes: list[str] = [
         "nfs*",

@@ -40,7 +40,7 @@ READ_SIZE = 16384
 # doc, 94/95 from ml-engineering's debug guide, 74 NVLink, 79 fallen off the bus, 92 high SBE rate).
 GPU_FATAL_XIDS = ("48", "63", "64", "74", "79", "92", "94", "95")
 
-# Default rules (config: kernel_log.rules). Spellings and their sources are listed in README.md (Troubleshooting, Kernel log).
+# Default rules (config: kernel_log.rules). Spellings and sources: README.md, Troubleshooting, Kernel log.
 DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "PcieAerFatal",

@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from agent.diagnose import waiting_on_lock
 from agent.host import ChildResult, statvfs_in_child
-from probes._procfs import ScanError, scan_open_files
+from probes._procfs import ScanError, list_pids, scan_open_files
 from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
 
 log = logging.getLogger(__name__)
@@ -845,6 +846,51 @@ def _path_list(items: Sequence[dict[str, Any]], limit: int = 3) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
+# Process names of Python jobs as /proc/PID/comm shows them (torch renames its main thread pt_main_thread).
+_PYTHON_COMMS = ("python", "pt_main_thread", "torchrun", "accelerate", "deepspeed")
+# Kernel wait channels of a process sleeping in time.sleep() between checks of the lock.
+_SLEEP_WCHANS = ("hrtimer_nanosleep", "do_nanosleep", "clock_nanosleep", "0", "")
+
+
+def read_text_or_empty(path: Any) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def lock_waiter_candidates(proc: Any, limit: int) -> list[int]:
+    """Sleeping Python processes that may be polling a lock file (FileBaton.wait sleeps between checks)."""
+    found = []
+    me = os.getpid()
+    for pid in list_pids(proc):
+        if pid == me:
+            continue
+        comm = read_text_or_empty(os.path.join(proc, str(pid), "comm")).strip()
+        if not comm.startswith(_PYTHON_COMMS):
+            continue
+        wchan = read_text_or_empty(os.path.join(proc, str(pid), "wchan")).strip()
+        if wchan not in _SLEEP_WCHANS:
+            continue
+        found.append(pid)
+        if len(found) >= limit:
+            break
+    return found
+
+
+def match_waited_lock(waited: str, stale: list[tuple[str, dict[str, Any]]]) -> tuple[str | None, dict[str, Any]]:
+    """The stale lock a waiter waits on. The waiter may see the path through its own mount namespace
+    (a container), so a path that ends with the lock's path below its glob root counts too. A waiter
+    whose frames do not show the path ("") is matched when there is only one stale lock."""
+    for pattern, item in stale:
+        if waited and (waited == item["path"] or waited.endswith("/" + item["rel"])):
+            return pattern, item
+    if waited == "" and len(stale) == 1:
+        return stale[0]
+    return None, {}
+
+
 @register
 class LocksProbe(Probe):
     name = "storage.locks"
@@ -917,6 +963,7 @@ class LocksProbe(Probe):
                     holders.setdefault((match.key[1], match.key[2]), []).append(match.pid)
 
         out: ProbeOutput = []
+        stale_items: list[tuple[str, dict[str, Any]]] = []
         total_stale = {"local": 0, "shared": 0}
         for pattern, result in zip(cfg.lock_globs, results, strict=True):
             if not result.ok:
@@ -960,6 +1007,7 @@ class LocksProbe(Probe):
                 removed, kept = self._remove(ctx, pattern, verdict.stale_local)
             else:
                 kept = verdict.stale_local
+            stale_items.extend((pattern, item) for item in kept + verdict.stale_shared)
             out.append(self._finding(ctx, pattern, verdict, removed, kept, needs_scan, scan_error, unreadable))
             out.append(
                 Sample(
@@ -969,6 +1017,8 @@ class LocksProbe(Probe):
                     {"glob": pattern},
                 )
             )
+        if stale_items and cfg.lock_waiter_max_processes:
+            out.extend(self._waiters(ctx, stale_items))
         for pattern in cfg.lock_globs:
             out.append(
                 Sample(
@@ -980,6 +1030,39 @@ class LocksProbe(Probe):
                 )
             )
         return out
+
+    def _waiters(self, ctx: ProbeContext, stale: list[tuple[str, dict[str, Any]]]) -> list[Finding]:
+        """Processes stuck waiting on a stale lock, found with py-spy (the diagnose classification)."""
+        cfg = ctx.config.storage
+        waiters: dict[str, list[dict[str, Any]]] = {}
+        for pid in lock_waiter_candidates(ctx.host.proc, cfg.lock_waiter_max_processes):
+            if ctx.remaining(0) < 2.0:
+                break
+            py_spy = cfg.py_spy_command[0] if cfg.py_spy_command else "py-spy"
+            path = waiting_on_lock(pid, min(3.0, ctx.remaining() - 1.0), py_spy=py_spy, proc=ctx.host.proc)
+            if path is None:
+                continue
+            pattern, item = match_waited_lock(path, stale)
+            if pattern is None:
+                continue
+            command = read_text_or_empty(ctx.host.proc_path(pid, "cmdline")).replace("\0", " ").strip()
+            waiters.setdefault(pattern, []).append({"pid": pid, "command": command[:200], "lock": item["path"]})
+        findings = []
+        for pattern, found in waiters.items():
+            names = ", ".join(f"pid {w['pid']} ({w['command'][:60] or '?'})" for w in found[:5])
+            findings.append(
+                Finding(
+                    "storage.locks",
+                    f"{pattern} waiters",
+                    Status.FAIL,
+                    "ProcessWaitingOnFileBaton",
+                    f"{len(found)} process(es) waiting on a stale lock: {names}",
+                    f"the lock has no holder: remove it (rm {found[0]['lock']}) and the waiting job continues; "
+                    "node-health diagnose PID shows the stack",
+                    {"waiters": found[:20]},
+                )
+            )
+        return findings
 
     def _remove(
         self, ctx: ProbeContext, pattern: str, stale: list[dict[str, Any]]

@@ -359,3 +359,34 @@ def test_hung_lock_directory_is_reported_not_waited_on(tmp_path: Path) -> None:
         assert time.monotonic() - started < 1.5
     assert findings[glob].reason == "MountHung"
     assert wait_reaped(host.children) == {}
+
+
+@pytest.mark.system
+def test_a_process_waiting_on_a_stale_baton_is_named(tmp_path: Path) -> None:
+    """A real Python child stuck in FileBaton.wait() on a stale lock, found with the real py-spy."""
+    require_root()
+    from conftest import require_tool
+    from test_diagnose import FILE_BATON, child
+
+    require_tool("py-spy")
+    build_directory = tmp_path / "torch_extensions" / "py311_cpu" / "fused_adam"
+    build_directory.mkdir(parents=True)
+    lock = build_directory / "lock"
+    lock.touch()
+    age(lock)
+    baton_glob = f"{tmp_path}/torch_extensions/*/*/lock"
+    with child(FILE_BATON, "jit", str(build_directory)) as waiter:
+        findings, _ = run_locks([baton_glob])
+        for _ in range(20):  # the child prints "ready" just before it starts sleeping in wait()
+            if f"{baton_glob} waiters" in findings:
+                break
+            time.sleep(0.1)
+            findings, _ = run_locks([baton_glob])
+        assert findings[baton_glob].reason == "StaleFileBaton"
+        waiting = findings[f"{baton_glob} waiters"]
+        assert (waiting.status, waiting.reason) == (Status.FAIL, "ProcessWaitingOnFileBaton")
+        assert waiting.observed["waiters"][0]["pid"] == waiter.pid
+        assert waiting.observed["waiters"][0]["lock"] == str(lock)
+        assert f"pid {waiter.pid}" in waiting.message and str(lock) in waiting.hint
+    findings, _ = run_locks([baton_glob])
+    assert f"{baton_glob} waiters" not in findings  # the waiter is gone: so is the finding
