@@ -34,7 +34,6 @@ import dns.exception
 import dns.nameserver
 import dns.rdatatype
 import dns.resolver
-from pyroute2 import IPRoute
 
 from agent.config import split_host_port
 from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
@@ -816,7 +815,9 @@ def _link_state(link: Any, addresses: dict[int, list[str]]) -> LinkState:
 
 
 def read_netlink_snapshot(netns_label: str) -> NetSnapshot:
-    """Links, global addresses and default routes of the calling thread's network namespace."""
+    """Links, global addresses and default routes of the calling process's network namespace."""
+    from pyroute2 import IPRoute  # ~20 MiB once imported: only ever imported in the short-lived child
+
     with IPRoute() as ipr:
         links = ipr.get_links()
         addresses: dict[int, list[str]] = {}
@@ -834,45 +835,33 @@ def read_netlink_snapshot(netns_label: str) -> NetSnapshot:
         return NetSnapshot(tuple(_link_state(link, addresses) for link in links), default_names, netns_label)
 
 
-_libc: ctypes.CDLL | None = None
-
-
 def _setns(fd: int, nstype: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.setns(fd, nstype) != 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, nstype) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
-def snapshot_in_netns(netns_path: str, timeout: float) -> NetSnapshot:
-    """read_netlink_snapshot in another network namespace.
-
-    setns(CLONE_NEWNET) changes only the calling thread, so a short-lived thread enters the namespace,
-    opens its netlink socket there and reads; the agent's other threads never leave their namespace.
-    """
-    box: dict[str, Any] = {}
-
-    def work() -> None:
+def netlink_snapshot_in_child(netns_path: str | None, netns_label: str) -> NetSnapshot:
+    """Runs in a child (ChildCalls): enter the namespace (the child is single-threaded, so setns moves
+    all of it), then read netlink. The agent process itself never changes namespace and never carries
+    pyroute2 in memory."""
+    if netns_path is not None:
+        fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _setns(fd, CLONE_NEWNET)
-            finally:
-                os.close(fd)
-            box["value"] = read_netlink_snapshot(netns_path)
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller thread, never lost
-            box["error"] = exc
+            _setns(fd, CLONE_NEWNET)
+        finally:
+            os.close(fd)
+    return read_netlink_snapshot(netns_label)
 
-    thread = threading.Thread(target=work, name="netns-links", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise TimeoutError(f"reading links in {netns_path} took longer than {timeout:.1f} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+
+def netlink_snapshot(host: Host, netns_path: str | None, netns_label: str, timeout: float) -> NetSnapshot:
+    result = host.child_call("netlink-links", netlink_snapshot_in_child, netns_path, netns_label, timeout=timeout)
+    if result.ok:
+        return result.value
+    if result.hung:
+        raise TimeoutError(f"reading links took longer than {timeout:.1f} s ({result.error})")
+    raise OSError(result.errno or 0, result.error)
 
 
 def choose_netns(host: Host, configured: str) -> tuple[str | None, str]:
@@ -992,10 +981,7 @@ class LinksProbe(Probe):
         settings = ctx.config.network.links
         netns_path, netns_label = choose_netns(ctx.host, settings.netns)
         try:
-            if netns_path is None:
-                snapshot = read_netlink_snapshot(netns_label)
-            else:
-                snapshot = snapshot_in_netns(netns_path, ctx.remaining())
+            snapshot = netlink_snapshot(ctx.host, netns_path, netns_label, ctx.remaining())
         except (OSError, TimeoutError) as exc:
             return [
                 Finding(
