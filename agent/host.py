@@ -88,6 +88,11 @@ class ChildCalls:
         with self._lock:
             return dict(self._in_flight)
 
+    def _forget(self, key: str, pid: int) -> None:
+        with self._lock:
+            if self._in_flight.get(key) == pid:
+                del self._in_flight[key]
+
     def reap(self) -> None:
         with self._lock:
             for key, pid in list(self._in_flight.items()):
@@ -115,13 +120,12 @@ class ChildCalls:
         duration = time.monotonic() - started
         if payload is None:
             _kill(pid)
-            with self._lock:
-                if _try_reap(pid, wait_seconds=0.05):
-                    self._in_flight.pop(key, None)
+            # Reaped outside the lock: waiting here must never delay other keys' calls.
+            if _try_reap(pid, wait_seconds=0.05):
+                self._forget(key, pid)
             return ChildResult("timeout", error=f"no answer within {timeout:g}s", duration=duration)
-        with self._lock:
-            if _try_reap(pid, wait_seconds=1.0):
-                self._in_flight.pop(key, None)
+        if _try_reap(pid, wait_seconds=1.0):
+            self._forget(key, pid)
         try:
             kind, value, err_no, message = pickle.loads(payload)
         except Exception as exc:  # noqa: BLE001 - a child killed mid-write, or garbage
