@@ -188,10 +188,9 @@ class Agent:
             log.warning("http.address/http.port changed: takes effect at the next restart")
         if config.host != self.config.host:
             self.host = Host.from_config(config.host, children=self.host.children)
-            self.scheduler._host = self.host
         self.config = config
         configure_logging(config.logging.format, config.logging.level)
-        self.scheduler.reconfigure(config)
+        self.scheduler.reconfigure(config, self.host)
         if self.kube is not None:
             self.kube.reconfigure(config)
         self.reloads["ok"] += 1

@@ -113,16 +113,18 @@ class Scheduler:
         self._slots: dict[str, _Slot] = {}
         self._config = config
         self.last_tick = time.monotonic()
-        self._apply_config(config, first=True)
+        self._apply_config(config)
 
     # --- configuration ---------------------------------------------------------------------------
 
-    def reconfigure(self, config: Config) -> None:
+    def reconfigure(self, config: Config, host: Host | None = None) -> None:
         with self._lock:
-            self._apply_config(config, first=False)
+            if host is not None:
+                self._host = host
+            self._apply_config(config)
         self._wake.set()
 
-    def _apply_config(self, config: Config, first: bool) -> None:
+    def _apply_config(self, config: Config) -> None:
         self._config = config
         wanted = enabled_probes(self._probes, config)
         now = time.monotonic()
