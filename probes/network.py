@@ -879,6 +879,34 @@ def choose_netns(host: Host, configured: str) -> tuple[str | None, str]:
     return str(host_ns), f"host ({host_ns})"
 
 
+def net_sysctls_in_child(netns_path: str | None, directory: str, names: tuple[str, ...]) -> dict[str, str]:
+    """Runs in a child (ChildCalls). Network sysctls belong to the network namespace of the process that
+    reads them, so the child enters the host's namespace first (the agent's pod has its own)."""
+    if netns_path is not None:
+        fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(fd, CLONE_NEWNET)
+        finally:
+            os.close(fd)
+    out = {}
+    for name in names:
+        with open(os.path.join(directory, name)) as fh:
+            out[name] = fh.read()
+    return out
+
+
+def read_host_net_sysctls(host: Host, names: tuple[str, ...], timeout: float) -> dict[str, str]:
+    """net.ipv4.<name> as the host's network namespace sees them. Raises OSError."""
+    netns_path, _ = choose_netns(host, "")
+    directory = str(host.proc_path("sys", "net", "ipv4"))
+    result = host.child_call("net-sysctls", net_sysctls_in_child, netns_path, directory, names, timeout=timeout)
+    if result.ok:
+        return result.value
+    if result.hung:
+        raise OSError(errno.ETIMEDOUT, f"reading net.ipv4 sysctls: {result.error}")
+    raise OSError(result.errno or errno.EIO, result.error)
+
+
 def is_physical(link: LinkState, sys_class_net: Path) -> bool:
     """A NIC backed by a bus device: IFLA_PARENT_DEV_NAME, or a `device` link in sysfs."""
     if link.parent_device:
@@ -1355,10 +1383,11 @@ class PortsProbe(Probe):
         return holders, ""
 
     def _reserved(self, ctx: ProbeContext, subject: str, first: int, last: int) -> list[Finding]:
-        # Per network namespace: accurate for the host only when the agent runs with hostNetwork.
-        sysctl = ctx.host.proc_path("sys", "net", "ipv4")
         try:
-            reserved = parse_port_ranges((sysctl / "ip_local_reserved_ports").read_text())
+            texts = read_host_net_sysctls(
+                ctx.host, ("ip_local_reserved_ports", "ip_local_port_range"), min(2.0, ctx.remaining())
+            )
+            reserved = parse_port_ranges(texts["ip_local_reserved_ports"])
         except OSError as exc:
             return [
                 Finding(
@@ -1372,7 +1401,7 @@ class PortsProbe(Probe):
             ]
         ephemeral: list[tuple[int, int]] = []
         with contextlib.suppress(OSError, ValueError, ProbeParseError):
-            ephemeral = parse_port_ranges((sysctl / "ip_local_port_range").read_text())
+            ephemeral = parse_port_ranges(texts["ip_local_port_range"])
         missing = ports_outside(reserved, first, last)
         exposed = [p for p in missing if not ephemeral or any(a <= p <= b for a, b in ephemeral)]
         observed = {

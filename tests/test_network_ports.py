@@ -258,3 +258,33 @@ def test_port_ranges_and_formatting() -> None:
 def test_range_must_fit() -> None:
     with pytest.raises(ConfigError, match=r"network\.ports"):
         parse_config({"network": {"ports": {"base": 65530, "count": 16}}})
+
+
+def test_reserved_ports_are_read_in_the_hosts_network_namespace(tmp_path: Path) -> None:
+    """The agent's pod has its own network namespace; net.ipv4 sysctls are per namespace, so they are read
+    by a child that entered the host's (here: a namespace the test creates, standing in for /proc/1/ns/net)."""
+    from conftest import require, require_root, require_tool
+
+    from probes.network import read_host_net_sysctls
+
+    require_root()
+    require_tool("ip")
+    name = f"nh-sysctl-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    require(made.returncode == 0, f"ip netns add: {made.stderr.strip()}")
+    try:
+        subprocess.run(
+            ["ip", "netns", "exec", name, "sysctl", "-qw", "net.ipv4.ip_local_reserved_ports=61000-61015"],
+            check=True,
+        )
+        fake_proc = tmp_path / "proc"
+        (fake_proc / "1" / "ns").mkdir(parents=True)
+        (fake_proc / "1" / "ns" / "net").symlink_to(f"/run/netns/{name}")
+        (fake_proc / "sys").symlink_to("/proc/sys")
+        host = Host(proc=fake_proc)
+        texts = read_host_net_sysctls(host, ("ip_local_reserved_ports",), 5.0)
+        assert texts["ip_local_reserved_ports"].strip() == "61000-61015"
+        ours = Path("/proc/sys/net/ipv4/ip_local_reserved_ports").read_text().strip()
+        assert ours != "61000-61015", "the agent's own namespace must not have been read"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
