@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +17,27 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = REPO.parent / "shared" / "fixtures"
-if not FIXTURES.is_dir():  # CI clones main elsewhere with shared/ beside it
-    FIXTURES = Path(os.environ.get("NODE_HEALTH_FIXTURES", str(FIXTURES)))
+
+
+def _find_fixtures() -> Path:
+    """shared/fixtures beside the checkout (as CI lays it out), $NODE_HEALTH_FIXTURES, or beside the
+    checkout this one was cloned from (a local scratch clone elsewhere)."""
+    candidates = []
+    if os.environ.get("NODE_HEALTH_FIXTURES"):
+        candidates.append(Path(os.environ["NODE_HEALTH_FIXTURES"]))
+    candidates.append(REPO.parent / "shared" / "fixtures")
+    try:
+        origin = subprocess.run(
+            ["git", "-C", str(REPO), "config", "--get", "remote.origin.url"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        origin = ""
+    if origin.startswith("/"):
+        candidates.append(Path(origin).parent / "shared" / "fixtures")
+    return next((path for path in candidates if path.is_dir()), candidates[0])
+
+
+FIXTURES = _find_fixtures()
 
 SYSTEM_TESTS_REQUIRED = os.environ.get("NODE_HEALTH_SYSTEM_TESTS", "") == "required"
 
