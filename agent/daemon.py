@@ -159,10 +159,13 @@ class Agent:
     def request_reload(self, *_: Any) -> None:
         self._reload_requested.set()
 
-    def serve_forever(self) -> None:
+    def install_signal_handlers(self) -> None:
+        """Before anything announces the agent: a SIGHUP that arrives early must reload, not kill."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGHUP, self.request_reload)
+
+    def serve_forever(self) -> None:
         next_poll = time.monotonic() + CONFIG_POLL_SECONDS
         while not self._stop.is_set():
             self._stop.wait(0.2)
@@ -209,6 +212,7 @@ class Agent:
 
 def run_daemon(config_path: str | None, config: Config, no_kube: bool) -> int:
     agent = Agent(config_path, config, no_kube=no_kube)
+    agent.install_signal_handlers()
     try:
         agent.start()
     except OSError as exc:

@@ -57,6 +57,7 @@ class HungProbe(Probe):
 classes = {**all_probes(), HungProbe.name: HungProbe}
 config = parse_config({"http": {"address": "127.0.0.1", "port": int(sys.argv[1])}}, classes)
 agent = Agent(None, config, no_kube=True, probe_classes=classes)
+agent.install_signal_handlers()
 agent.start()
 print("ready", flush=True)
 agent.serve_forever()
@@ -144,7 +145,7 @@ def main() -> int:
             "import sys\nsys.path.insert(0, sys.argv[2])\nfrom agent.config import parse_config\n"
             "from agent.daemon import Agent\nfrom probes import all_probes\n"
             "c = parse_config({'http': {'address': '127.0.0.1', 'port': int(sys.argv[1])}}, all_probes())\n"
-            "a = Agent(None, c, no_kube=True)\na.start()\na.serve_forever()\n"
+            "a = Agent(None, c, no_kube=True)\na.install_signal_handlers()\na.start()\na.serve_forever()\n"
         )
         baseline_script = Path(tmp) / "baseline.py"
         baseline_script.write_text(BASELINE)
