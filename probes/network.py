@@ -842,26 +842,32 @@ def _setns(fd: int, nstype: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def netlink_snapshot_in_child(netns_path: str | None, netns_label: str) -> NetSnapshot:
-    """Runs in a child (ChildCalls): enter the namespace (the child is single-threaded, so setns moves
-    all of it), then read netlink. The agent process itself never changes namespace and never carries
-    pyroute2 in memory."""
+def _in_netns(netns_path: str | None, fn: Callable[..., T], *args: Any) -> T:
+    """Runs in a child (ChildCalls): enter the network namespace, then call fn. The child is single-
+    threaded, so setns moves all of it; the agent process itself never changes namespace."""
     if netns_path is not None:
         fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             _setns(fd, CLONE_NEWNET)
         finally:
             os.close(fd)
-    return read_netlink_snapshot(netns_label)
+    return fn(*args)
 
 
-def netlink_snapshot(host: Host, netns_path: str | None, netns_label: str, timeout: float) -> NetSnapshot:
-    result = host.child_call("netlink-links", netlink_snapshot_in_child, netns_path, netns_label, timeout=timeout)
+def call_in_netns(host: Host, key: str, netns_path: str | None, fn: Callable[..., T], *args: Any, timeout: float) -> T:
+    """fn(*args) in a forked child inside the namespace, with a deadline. Raises OSError (TimeoutError when
+    the deadline passed)."""
+    result = host.child_call(key, _in_netns, netns_path, fn, *args, timeout=timeout)
     if result.ok:
         return result.value
     if result.hung:
-        raise TimeoutError(f"reading links took longer than {timeout:.1f} s ({result.error})")
-    raise OSError(result.errno or 0, result.error)
+        raise TimeoutError(errno.ETIMEDOUT, f"{key}: no answer within {timeout:.1f} s ({result.error})")
+    raise OSError(result.errno or errno.EIO, result.error)
+
+
+def netlink_snapshot(host: Host, netns_path: str | None, netns_label: str, timeout: float) -> NetSnapshot:
+    # In a child: pyroute2 costs ~20 MiB once imported, and only ever is in the short-lived child.
+    return call_in_netns(host, "netlink-links", netns_path, read_netlink_snapshot, netns_label, timeout=timeout)
 
 
 def choose_netns(host: Host, configured: str) -> tuple[str | None, str]:
@@ -879,15 +885,7 @@ def choose_netns(host: Host, configured: str) -> tuple[str | None, str]:
     return str(host_ns), f"host ({host_ns})"
 
 
-def net_sysctls_in_child(netns_path: str | None, directory: str, names: tuple[str, ...]) -> dict[str, str]:
-    """Runs in a child (ChildCalls). Network sysctls belong to the network namespace of the process that
-    reads them, so the child enters the host's namespace first (the agent's pod has its own)."""
-    if netns_path is not None:
-        fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _setns(fd, CLONE_NEWNET)
-        finally:
-            os.close(fd)
+def read_files(directory: str, names: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for name in names:
         with open(os.path.join(directory, name)) as fh:
@@ -896,15 +894,11 @@ def net_sysctls_in_child(netns_path: str | None, directory: str, names: tuple[st
 
 
 def read_host_net_sysctls(host: Host, names: tuple[str, ...], timeout: float) -> dict[str, str]:
-    """net.ipv4.<name> as the host's network namespace sees them. Raises OSError."""
+    """net.ipv4.<name> as the host's network namespace sees them: network sysctls belong to the namespace
+    of the process that reads them, and the agent's pod has its own. Raises OSError."""
     netns_path, _ = choose_netns(host, "")
     directory = str(host.proc_path("sys", "net", "ipv4"))
-    result = host.child_call("net-sysctls", net_sysctls_in_child, netns_path, directory, names, timeout=timeout)
-    if result.ok:
-        return result.value
-    if result.hung:
-        raise OSError(errno.ETIMEDOUT, f"reading net.ipv4 sysctls: {result.error}")
-    raise OSError(result.errno or errno.EIO, result.error)
+    return call_in_netns(host, "net-sysctls", netns_path, read_files, directory, names, timeout=timeout)
 
 
 def is_physical(link: LinkState, sys_class_net: Path) -> bool:
