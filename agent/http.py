@@ -38,10 +38,6 @@ class ReadyQuery:
     min_hbm_free_mib: float | None = None
     wait: float = 0.0
 
-    @property
-    def plain(self) -> bool:
-        return self.checks is None and self.devices is None and self.min_hbm_free_mib is None
-
 
 def _number(name: str, text: str, upper: float | None = None) -> float:
     try:

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 
 from agent.state import CONDITION_TYPES, PROBLEM_STATUSES, Snapshot
-from probes.base import Sample, Status
+from probes.base import Sample
 
 SampleSource = Callable[[], Iterable[Sample]]
 
@@ -145,7 +145,3 @@ class MetricsRenderer:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def status_value(status: Status) -> int:
-    return status.metric_value

@@ -94,10 +94,6 @@ def category_of(check: str, override: str | None = None) -> str:
     return head if head in CATEGORIES else "host"
 
 
-def ok(check: str, subject: str, message: str, reason: str = "OK", **kw: Any) -> Finding:
-    return Finding(check, subject, Status.OK, reason, message, **kw)
-
-
 @dataclass(frozen=True)
 class Sample:
     """A metric sample a probe exports beside its findings (device gauges, latencies, counters)."""
