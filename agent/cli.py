@@ -11,12 +11,13 @@ from typing import Any
 
 from agent.config import Config, ConfigError, default_config_yaml, load_config
 from agent.daemon import build_state, instantiate, run_daemon
-from agent.host import Host
 from agent.logs import configure_logging
 from agent.scheduler import Scheduler
 from agent.state import Snapshot, matches_any
 from probes import all_probes
 from probes.base import CATEGORIES, Probe, Status
+from probes.host.config import HostConfig
+from probes.runtime.host import Host
 
 EXIT_READY, EXIT_NOT_READY, EXIT_USAGE = 0, 1, 2
 log = logging.getLogger("node-health")
@@ -75,7 +76,7 @@ def run_check(config: Config, probe_classes: dict[str, type[Probe]], only: tuple
     if only is not None:
         probes = {n: p for n, p in probes.items() if any(matches_any(c, only) for c in p.checks)}
     state = build_state(config, one_shot=True)
-    scheduler = Scheduler(probes, config, Host.from_config(config.host), state)
+    scheduler = Scheduler(probes, config, Host.from_config(config.section(HostConfig)), state)
     scheduler.run_all_once()
     return state.snapshot
 

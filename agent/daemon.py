@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import Config, ConfigError, load_config
-from agent.host import Host
 from agent.http import HttpServer
 from agent.logs import configure_logging
 from agent.metrics import MetricsRenderer
@@ -19,6 +18,8 @@ from agent.scheduler import Scheduler
 from agent.state import HealthState
 from probes import all_probes
 from probes.base import Probe, Sample
+from probes.host.config import HostConfig
+from probes.runtime.host import Host
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Agent:
         self.no_kube = no_kube
         self.probe_classes = probe_classes if probe_classes is not None else all_probes()
         self.probes = instantiate(self.probe_classes)
-        self.host = Host.from_config(config.host)
+        self.host = Host.from_config(config.section(HostConfig))
         self.state = build_state(config)
         self.scheduler = Scheduler(self.probes, config, self.host, self.state)
         self.reloads: dict[str, int] = {"ok": 0, "error": 0}
@@ -189,8 +190,8 @@ class Agent:
             return False
         if (config.http.address, config.http.port) != (self.config.http.address, self.config.http.port):
             log.warning("http.address/http.port changed: takes effect at the next restart")
-        if config.host != self.config.host:
-            self.host = Host.from_config(config.host, children=self.host.children)
+        if config.section(HostConfig) != self.config.section(HostConfig):
+            self.host = Host.from_config(config.section(HostConfig), children=self.host.children)
         self.config = config
         configure_logging(config.logging.format, config.logging.level)
         self.scheduler.reconfigure(config, self.host)

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.config import Config
-from agent.host import Host
 from agent.state import PARSE_ERROR, PROBE_ERROR, PROBE_TIMEOUT, HealthState, ProbeSpec
 from probes.base import Finding, Probe, ProbeContext, ProbeParseError, Sample, Status
+from probes.runtime.host import Host
 
 log = logging.getLogger(__name__)
 

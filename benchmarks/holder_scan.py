@@ -35,8 +35,8 @@ from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.host import Host
-from probes._procfs import device_rdevs, scan_fds_in_child, scan_open_files
+from probes.runtime.host import Host
+from probes.runtime.procfs import device_rdevs, scan_fds_in_child, scan_open_files
 
 # Device nodes copied by major:minor from the host's memory devices: they open on any Linux.
 DEVICES = {"davinci0": "/dev/full", "davinci1": "/dev/random", "davinci_manager": "/dev/zero"}

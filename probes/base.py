@@ -1,21 +1,31 @@
-"""The probe contract: what a probe declares, what it returns, and the registry.
+"""The probe contract: statuses, findings, reasons, families, categories, the probe base class and registry.
 
 A probe reads the host and returns findings (and optional metric samples). It knows nothing of HTTP,
 metrics exposition or Kubernetes; the agent schedules it, bounds it with a deadline and keeps its results.
+
+Everything a probe may say is declared: each probe lists the reason codes it can emit (`Probe.reasons`,
+each with its status, a one-line meaning and the fix), and each family (a package such as `probes/storage/`)
+declares its config section and its docs page (`Family`). The agent assembles these; nothing here imports it.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import logging
+import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from agent.config import Config
-    from agent.host import Host
+    from probes.runtime.host import Host
+
+log = logging.getLogger(__name__)
 
 
 class Status(str, enum.Enum):
@@ -33,14 +43,55 @@ class Status(str, enum.Enum):
 
 _STATUS_METRIC_VALUE = {Status.OK: 0, Status.WARN: 1, Status.FAIL: 2, Status.UNKNOWN: 3, Status.SKIP: 4}
 
-# Categories of DESIGN.md: one taint and one condition each. A check belongs to the category named by
-# its first dotted segment when that is a category; anything else (pcie, kernel) falls back to "host"
-# unless the finding names its category explicitly.
-CATEGORIES = ("npu", "gpu", "storage", "network", "time", "host")
+
+# --- categories: one taint and one condition each ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Category:
+    name: str  # also the taint key's name: <kubernetes.key_prefix>/<name>
+    condition_type: str  # the Node condition, positive polarity (True = healthy)
+    title: str
+
+
+# The one table of categories. A check belongs to the category named by its first dotted segment when that
+# is a category; anything else (pcie, kernel) is "host" unless the finding names its category explicitly.
+CATEGORIES: Mapping[str, Category] = {
+    category.name: category
+    for category in (
+        Category("npu", "NPUHealthy", "Ascend NPU"),
+        Category("gpu", "GPUHealthy", "NVIDIA GPU"),
+        Category("storage", "StorageHealthy", "Storage"),
+        Category("network", "NetworkHealthy", "Network"),
+        Category("time", "ClockSynced", "Clock"),
+        Category("host", "HostHealthy", "Host"),
+    )
+}
+DEFAULT_CATEGORY = "host"
+
+
+def category_of(check: str, override: str | None = None) -> str:
+    if override is not None and override in CATEGORIES:
+        return override
+    head = check.split(".", 1)[0]
+    return head if head in CATEGORIES else DEFAULT_CATEGORY
+
 
 # Key in Finding.observed under which device probes report free HBM / framebuffer per chip, so that
 # /ready?min_hbm_free_mib=N can be answered from cached results without knowing the probe.
 OBSERVED_HBM_FREE_MIB = "hbm_free_mib"
+
+
+# --- findings ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the agent did or saw that must be told on the Node as a Kubernetes event (a removed lock)."""
+
+    reason: str
+    message: str
+    warning: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +109,7 @@ class Finding:
     device: int | None = None
     # Overrides the category derived from the check name (e.g. a kernel.log rule about NFS → storage).
     category_override: str | None = None
+    event: Event | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status):
@@ -87,13 +139,6 @@ class Finding:
         return out
 
 
-def category_of(check: str, override: str | None = None) -> str:
-    if override in CATEGORIES:
-        return override  # type: ignore[return-value]
-    head = check.split(".", 1)[0]
-    return head if head in CATEGORIES else "host"
-
-
 @dataclass(frozen=True)
 class Sample:
     """A metric sample a probe exports beside its findings (device gauges, latencies, counters)."""
@@ -108,18 +153,208 @@ class Sample:
 ProbeOutput = list[Finding | Sample]
 
 
-class ProbeContext:
-    """What a probe gets for one run: the host, the config in force, and its deadline."""
+# --- reasons ----------------------------------------------------------------------------------------
 
-    def __init__(self, host: Host, config: Config, timeout: float) -> None:
+
+@dataclass(frozen=True)
+class Reason:
+    """A reason code a probe may emit: the status it comes with, what it means, and the fix.
+
+    `also` lists other statuses the same code may carry (a configurable severity, a warn that turns into a
+    fail past a threshold). The hint is the documented fix; a finding may give a more specific one.
+    """
+
+    code: str
+    status: Status
+    meaning: str
+    hint: str = ""
+    also: tuple[Status, ...] = ()
+
+    @property
+    def statuses(self) -> tuple[Status, ...]:
+        return (self.status, *self.also)
+
+
+OK = Reason("OK", Status.OK, "the check passed")
+NOT_APPLICABLE = Reason(
+    "NotApplicable", Status.SKIP, "the probe does not apply to this host (no such device, nothing configured)"
+)
+# A probe's parser met tool output it does not understand: emitted by the scheduler for ProbeParseError.
+PARSE_ERROR = Reason(
+    "ParseError",
+    Status.UNKNOWN,
+    "a tool's output could not be parsed",
+    "the tool's output format is new to the agent: report it with the tool's version and output",
+)
+# Declared for every probe: OK, NotApplicable and ParseError can come from any of them.
+COMMON_REASONS: tuple[Reason, ...] = (OK, NOT_APPLICABLE, PARSE_ERROR)
+
+
+class Check:
+    """Builds the findings of one check, so a probe names the reason and the subject, not eight positions.
+
+    `SPACE = Check("storage.space")`, then `SPACE.report(DISK_FULL, "/data", "98% used", observed)` or
+    `SPACE.ok("/data", "40% used", observed)`. The reason's hint is used unless a finding gives its own.
+    """
+
+    def __init__(self, name: str, category: str | None = None) -> None:
+        self.name = name
+        self.category = category
+
+    def report(
+        self,
+        reason: Reason,
+        subject: str,
+        message: str,
+        observed: Mapping[str, Any] | None = None,
+        *,
+        hint: str | None = None,
+        status: Status | None = None,
+        device: int | None = None,
+        category: str | None = None,
+        event: Event | None = None,
+    ) -> Finding:
+        return Finding(
+            self.name,
+            subject,
+            status or reason.status,
+            reason.code,
+            message,
+            reason.hint if hint is None else hint,
+            dict(observed or {}),
+            device,
+            category or self.category,
+            event,
+        )
+
+    def ok(
+        self,
+        subject: str,
+        message: str,
+        observed: Mapping[str, Any] | None = None,
+        *,
+        device: int | None = None,
+        category: str | None = None,
+    ) -> Finding:
+        return self.report(OK, subject, message, observed, hint="", device=device, category=category)
+
+
+class UndeclaredReason(TypeError):
+    """A probe emitted a reason code (or a status for it) that it does not declare."""
+
+
+STRICT_REASONS_ENV = "NODE_HEALTH_STRICT_REASONS"
+_warned_undeclared: set[tuple[str, str, str]] = set()
+
+
+def check_declared(probe: Probe, findings: Sequence[Finding], allowed: Mapping[str, Reason]) -> None:
+    """Raise UndeclaredReason (tests, NODE_HEALTH_STRICT_REASONS=1) or log once (in production, where an
+    undeclared reason must never hide the finding) for each finding whose reason or status is not declared."""
+    for finding in findings:
+        reason = allowed.get(finding.reason)
+        if reason is not None and finding.status in reason.statuses:
+            continue
+        what = (
+            f"probe {probe.name} emitted {finding.reason!r} with status {finding.status.value} for {finding.check}, "
+            + (
+                "which it does not declare"
+                if reason is None
+                else f"declared only as {[s.value for s in reason.statuses]}"
+            )
+        )
+        if os.environ.get(STRICT_REASONS_ENV) == "1":
+            raise UndeclaredReason(what)
+        key = (probe.name, finding.reason, finding.status.value)
+        if key not in _warned_undeclared:
+            _warned_undeclared.add(key)
+            log.warning("%s", what)
+
+
+# --- configuration sections and families -----------------------------------------------------------
+
+
+class Section(BaseModel):
+    """Base of every config model: unknown keys are errors, values are frozen, defaults are validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+SectionT = TypeVar("SectionT", bound=Section)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A probe family: a package (or a single module) of probes that shares one config section and one
+    docs page. Declared in the family's `__init__.py` as `FAMILY = register_family(Family(...))`."""
+
+    key: str  # the config section, e.g. "storage" → `storage:` in config.yaml
+    module: str  # the package or module that declares it (its probes live beneath it)
+    config: type[Section]
+    title: str
+    doc: str  # the family's docs page, relative to the repository root
+    order: int = 100  # position of its section in `config --defaults`
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    existing = FAMILIES.get(family.key)
+    if existing is not None and existing != family:
+        raise ValueError(f"config section {family.key!r} declared twice ({existing.module}, {family.module})")
+    FAMILIES[family.key] = family
+    _family_of_config.cache_clear()
+    return family
+
+
+@functools.cache
+def _family_of_config(model: type[Section]) -> Family:
+    for family in FAMILIES.values():
+        if family.config is model:
+            return family
+    raise LookupError(f"{model.__name__} is not the config model of a registered family")
+
+
+def family_settings(config: BaseModel, model: type[SectionT]) -> SectionT:
+    """The section of `config` that holds `model` (a family's config model), typed."""
+    value = getattr(config, _family_of_config(model).key)
+    if not isinstance(value, model):
+        raise TypeError(f"config section {_family_of_config(model).key} is {type(value).__name__}, not {model}")
+    return value
+
+
+def family_of(probe_class: type[Probe]) -> Family | None:
+    """The family a probe belongs to: the one declared by the nearest enclosing package or module."""
+    module = probe_class.__module__
+    best: Family | None = None
+    for family in FAMILIES.values():
+        if (module == family.module or module.startswith(family.module + ".")) and (
+            best is None or len(family.module) > len(best.module)
+        ):
+            best = family
+    return best
+
+
+# --- probes -----------------------------------------------------------------------------------------
+
+
+class ProbeContext:
+    """What a probe gets for one run: the host, the config in force, its deadline and the node's name."""
+
+    def __init__(self, host: Host, config: Any, timeout: float, node_name: str = "") -> None:
         self.host = host
         self.config = config
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
+        self.node_name = node_name or getattr(config, "resolved_node_name", "") or ""
 
     def remaining(self, floor: float = 0.05) -> float:
         """Seconds left before the deadline (never below `floor`, so a last call still gets a chance)."""
         return max(floor, self.deadline - time.monotonic())
+
+    def settings(self, model: type[SectionT]) -> SectionT:
+        """This run's settings of one family: `ctx.settings(StorageConfig)`."""
+        return family_settings(self.config, model)
 
 
 class Probe(ABC):
@@ -128,16 +363,56 @@ class Probe(ABC):
     One instance lives as long as the agent, so a probe may keep state between runs (AER counter deltas,
     link flap history). `run` is called from one thread at a time; it must bound everything it does by
     `ctx.deadline` (host commands and filesystem calls through `ctx.host` do).
+
+    Every finding `run` returns is checked against `reasons` (plus OK, NotApplicable and ParseError).
     """
 
     name: ClassVar[str]
     checks: ClassVar[tuple[str, ...]]
+    reasons: ClassVar[tuple[Reason, ...]] = ()
     default_interval: ClassVar[float] = 30.0
     default_timeout: ClassVar[float] = 10.0
     needs: ClassVar[str] = "nothing beyond /proc"
+    # Config lists whose emptiness makes the probe not apply (e.g. ("mounts",) in its family's section).
+    skip_when_empty: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        run = cls.__dict__.get("run")
+        if run is not None and not getattr(run, "_checks_reasons", False):
+
+            @functools.wraps(run)
+            def checked_run(self: Probe, ctx: ProbeContext) -> ProbeOutput:
+                output = run(self, ctx)
+                if isinstance(output, (list, tuple)):
+                    findings = [item for item in output if isinstance(item, Finding)]
+                    check_declared(self, findings, self.allowed_reasons(ctx))
+                return output
+
+            checked_run._checks_reasons = True  # type: ignore[attr-defined]
+            cls.run = checked_run  # type: ignore[method-assign]
+
+    @classmethod
+    def declared_reasons(cls) -> tuple[Reason, ...]:
+        """The reasons this probe documents: its own and the common ones, each code once."""
+        seen: dict[str, Reason] = {}
+        for reason in (*COMMON_REASONS, *cls.reasons):
+            seen.setdefault(reason.code, reason)
+        return tuple(seen.values())
+
+    def allowed_reasons(self, ctx: ProbeContext) -> Mapping[str, Reason]:
+        """Reasons a run may emit; a probe whose reasons come from config (kernel.log rules) widens this."""
+        return {reason.code: reason for reason in self.declared_reasons()}
 
     def applicable(self, ctx: ProbeContext) -> str | None:
         """Return why this probe does not apply to this host (→ skip), or None when it does."""
+        family = family_of(type(self))
+        if family is None:
+            return None
+        section = getattr(ctx.config, family.key, None)
+        for key in self.skip_when_empty:
+            if not getattr(section, key, None):
+                return f"nothing configured in {family.key}.{key}"
         return None
 
     @abstractmethod
@@ -161,3 +436,12 @@ def register(cls: type[Probe]) -> type[Probe]:
         raise ValueError(f"probe name {cls.name!r} registered twice ({existing.__name__}, {cls.__name__})")
     REGISTRY[cls.name] = cls
     return cls
+
+
+def reasons_by_code(reasons: Collection[Reason]) -> dict[str, Reason]:
+    return {reason.code: reason for reason in reasons}
+
+
+# Config field types shared by the families' models.
+PositiveSeconds = Annotated[float, Field(gt=0)]
+Percent = Annotated[float, Field(ge=0, le=100)]

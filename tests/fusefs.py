@@ -224,7 +224,7 @@ class FuseMount:
 
 def mounted_at(path: Path) -> dict[str, str] | None:
     """fstype and source of the mount at `path`, from our own mount table (never touching the mount)."""
-    from probes.storage import mount_at, parse_mountinfo
+    from probes.storage.legacy import mount_at, parse_mountinfo
 
     entry = mount_at(parse_mountinfo(Path("/proc/self/mountinfo").read_text()), str(path))
     return {"fstype": entry.fstype, "source": entry.source} if entry else None

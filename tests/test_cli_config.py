@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.config import Config, parse_config
+from agent.config import default_config, parse_config
 from probes import all_probes
 
 CLI = [sys.executable, "-m", "agent.cli"]
@@ -66,7 +66,7 @@ def test_defaults_print_valid_yaml_that_round_trips() -> None:
     probes = all_probes()
     config = parse_config(data, probes)
     assert set(data["probes"]) == set(probes)
-    assert config.model_dump(exclude={"probes"}) == Config().model_dump(exclude={"probes"})
+    assert config.model_dump(exclude={"probes"}) == default_config().model_dump(exclude={"probes"})
     assert data["http"] == {"address": "0.0.0.0", "port": 9100, "max_wait_seconds": 300.0}
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.diagnose import (
+from agent.diagnose import format_diagnosis, main_diagnose
+from probes.runtime.pyspy import (
     BLOCKED_IO,
     FILEBATON_WAIT,
     IDLE_EVENT_LOOP,
@@ -24,8 +25,6 @@ from agent.diagnose import (
     Diagnosis,
     classify_stack,
     diagnose,
-    format_diagnosis,
-    main_diagnose,
     parse_py_spy_json,
     waiting_on_lock,
 )

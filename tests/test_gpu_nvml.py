@@ -25,9 +25,9 @@ from tests.fake_nvml.build import LIBRARY_NAME, build_fake_nvml, device_config
 RUNNER = r"""
 import json, sys
 from agent.config import parse_config
-from agent.host import Host
+from probes.runtime.host import Host
 from agent.scheduler import execute
-from probes.gpu import GpuProbe
+from probes.gpu.gpu import GpuProbe
 
 config = parse_config(json.loads(sys.argv[1]))
 host = Host(proc="/proc", dev=sys.argv[2])

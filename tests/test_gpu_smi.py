@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from agent.config import parse_config
-from agent.host import Host
+from probes.runtime.host import Host
 from agent.scheduler import execute
-from probes._nvidia_smi import (
+from probes.gpu.nvidia_smi import (
     SmiParseError,
     inforom_corrupted_buses,
     parse_csv,
@@ -25,7 +25,7 @@ from probes._nvidia_smi import (
     short_bus_id,
 )
 from probes.base import ProbeParseError
-from probes.gpu import GpuProbe
+from probes.gpu.gpu import GpuProbe
 from tests.conftest import REPO, require_fixtures
 
 MIB = 1024 * 1024

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from agent.host import ChildCalls, run_command, statvfs_in_child
+from probes.runtime.host import ChildCalls, run_command, statvfs_in_child
 
 
 def alive(pid: int) -> bool:

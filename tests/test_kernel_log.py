@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError, KernelLogRule, parse_config
-from agent.host import Host
+from agent.config import ConfigError, parse_config
+from probes.kernel.config import KernelLogRule
+from probes.runtime.host import Host
 from probes.base import ProbeContext, Sample, Status
-from probes.kernel_log import (
+from probes.kernel.log import (
     DEFAULT_RULES,
     KernelLogProbe,
     KmsgReader,

@@ -28,9 +28,9 @@ from netservers import (
 )
 
 from agent.config import ConfigError, parse_config
-from agent.host import Host
+from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, Sample, Status
-from probes.network import EgressProbe
+from probes.network.legacy import EgressProbe
 
 
 @dataclass
@@ -198,9 +198,9 @@ BLACKHOLE_SNIPPET = textwrap.dedent(
     import json, sys, time
     sys.path.insert(0, {repo!r})
     from agent.config import parse_config
-    from agent.host import Host
+    from probes.runtime.host import Host
     from probes.base import Finding, ProbeContext
-    from probes.network import EgressProbe
+    from probes.network.legacy import EgressProbe
     config = parse_config({{"network": {{"egress": {targets!r}}}}})
     started = time.monotonic()
     out = EgressProbe().run(ProbeContext(Host(), config, {timeout!r}))

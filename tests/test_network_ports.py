@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from agent.config import ConfigError, parse_config
-from agent.host import Host
+from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
-from probes.network import (
+from probes.network.legacy import (
     PortsProbe,
     compress_ports,
     parse_port_ranges,
@@ -265,7 +265,7 @@ def test_reserved_ports_are_read_in_the_hosts_network_namespace(tmp_path: Path) 
     by a child that entered the host's (here: a namespace the test creates, standing in for /proc/1/ns/net)."""
     from conftest import require, require_root, require_tool
 
-    from probes.network import read_host_net_sysctls
+    from probes.network.legacy import read_host_net_sysctls
 
     require_root()
     require_tool("ip")

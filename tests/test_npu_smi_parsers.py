@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.host import CommandResult
-from probes._npu_smi import (
+from probes.runtime.host import CommandResult
+from probes.npu.smi_parse import (
     ChipMapping,
     NpuInfo,
     NpuSmiParseError,

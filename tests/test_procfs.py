@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.host import ChildCalls, Host
-from probes._procfs import (
+from probes.runtime.host import ChildCalls, Host
+from probes.runtime.procfs import (
     CgroupOwner,
     ScanTimeout,
     cgroup_path,

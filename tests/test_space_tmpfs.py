@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from agent.config import parse_config
-from agent.host import Host
+from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, Status
-from probes.storage import SpaceProbe
+from probes.storage.legacy import SpaceProbe
 from tests.conftest import require_root
 
 

@@ -17,9 +17,9 @@ from fusefs import fuse_mount
 from test_storage_mounts import fuse_capable, wait_reaped
 
 from agent.config import parse_config
-from agent.host import ChildCalls, Host
+from probes.runtime.host import ChildCalls, Host
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
-from probes.storage import (
+from probes.storage.legacy import (
     LocksProbe,
     MountEntry,
     is_soft_lock_record,

@@ -12,9 +12,9 @@ from fusefs import fuse_mount
 from test_storage_mounts import fuse_capable, wait_reaped
 
 from agent.config import parse_config
-from agent.host import ChildCalls, Host
+from probes.runtime.host import ChildCalls, Host
 from probes.base import Finding, ProbeContext, Sample, Status
-from probes.storage import ModelCacheProbe, hub_repo_folder
+from probes.storage.legacy import ModelCacheProbe, hub_repo_folder
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "org/model-7b"

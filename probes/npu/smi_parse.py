@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from probes.base import ProbeParseError
 
 if TYPE_CHECKING:
-    from agent.host import CommandResult
+    from probes.runtime.host import CommandResult
 
 # npu-smi prints at most this many processes per chip in `npu-smi info` (DRV npu_common.h
 # MAX_CHIP_PROCESS_NUM); when a chip shows this many, `-t proc-mem` has the complete list.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agent.host import Host
+    from probes.runtime.host import Host
 
 # --- cgroup → owner --------------------------------------------------------------------------------
 
@@ -378,7 +378,7 @@ _GONE = (errno.ENOENT, errno.ESRCH)
 def scan_fds_in_child(
     proc_dir: str, rdevs: frozenset[int], inodes: frozenset[tuple[int, int]], sockets: frozenset[int]
 ) -> dict[str, Any]:
-    """Runs in a forked child (see agent.host.ChildCalls): only `os` and pure Python, no logging, no imports.
+    """Runs in a forked child (see probes.runtime.host.ChildCalls): only `os` and pure Python, no logging, no imports.
 
     Returns plain data: {"matches": [(pid, start_time, fd, target, key)], "vanished", "permission_denied",
     "processes", "fds"}.

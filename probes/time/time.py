@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.config import split_host_port
 from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
-from probes.network import DNS_KIND_TEXT, ResolverSetup, make_resolver, resolve_name, run_parallel
+from probes.network.legacy import DNS_KIND_TEXT, ResolverSetup, make_resolver, resolve_name, run_parallel
+from probes.runtime.addresses import split_host_port
 
 # --- kernel clock (adjtimex) -----------------------------------------------------------------------
 

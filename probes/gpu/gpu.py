@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from probes import _procfs
-from probes._nvml import CLOCK_EVENT_BITS, MIB, GpuInventory, GpuState, NvmlUnavailable, library_loadable, read_nvml
 from probes.base import (
     OBSERVED_HBM_FREE_MIB,
     Finding,
@@ -28,6 +26,8 @@ from probes.base import (
     Status,
     register,
 )
+from probes.gpu.nvml import CLOCK_EVENT_BITS, MIB, GpuInventory, GpuState, NvmlUnavailable, library_loadable, read_nvml
+from probes.runtime import procfs as _procfs
 
 CHECKS = ("gpu.health", "gpu.throttle", "gpu.memory", "gpu.holders")
 NO_DRIVER = "no NVIDIA driver on this host"
@@ -602,7 +602,7 @@ class SmiUnavailable(Exception):
 
 def read_smi(ctx: ProbeContext) -> GpuInventory:
     """`nvidia-smi -q` (+ one CSV query for indices and the recovery action); `-L` when `-q` fails."""
-    from probes import _nvidia_smi as smi
+    from probes.gpu import nvidia_smi as smi
 
     cfg = ctx.config.gpu
 

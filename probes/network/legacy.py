@@ -35,12 +35,12 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
-from agent.config import split_host_port
 from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
+from probes.runtime.addresses import split_host_port
 
 if TYPE_CHECKING:
     from agent.config import DnsConfig, EgressTarget
-    from agent.host import Host
+    from probes.runtime.host import Host
 
 # dnspython overshoots its lifetime by its backoff sleep (measured up to 0.4 s): keep this much in hand.
 DNS_LIFETIME_HEADROOM = 0.5
@@ -1355,7 +1355,7 @@ class PortsProbe(Probe):
     def _holders(self, ctx: ProbeContext, inodes: set[int]) -> tuple[dict[int, list[PortHolder]], str]:
         if not inodes:
             return {}, ""
-        from probes import _procfs
+        from probes.runtime import procfs as _procfs
 
         try:
             scan = _procfs.scan_open_files(ctx.host, sockets=inodes, timeout=max(0.1, ctx.remaining() - 0.2))

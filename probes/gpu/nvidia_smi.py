@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from probes._nvml import CLOCK_EVENT_BITS, MIB, EnumerationFailure, GpuProcess, GpuState
 from probes.base import ProbeParseError
+from probes.gpu.nvml import CLOCK_EVENT_BITS, MIB, EnumerationFailure, GpuProcess, GpuState
 
 
 class SmiParseError(ProbeParseError):

@@ -23,8 +23,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from probes import _procfs
-from probes._npu_smi import (
+from probes.base import (
+    OBSERVED_HBM_FREE_MIB,
+    Finding,
+    Probe,
+    ProbeContext,
+    ProbeOutput,
+    ProbeParseError,
+    Sample,
+    Status,
+    register,
+)
+from probes.npu.smi_parse import (
     ChipMapping,
     HealthDetail,
     NpuChip,
@@ -37,17 +47,7 @@ from probes._npu_smi import (
     parse_proc_mem,
     resolve_ids,
 )
-from probes.base import (
-    OBSERVED_HBM_FREE_MIB,
-    Finding,
-    Probe,
-    ProbeContext,
-    ProbeOutput,
-    ProbeParseError,
-    Sample,
-    Status,
-    register,
-)
+from probes.runtime import procfs as _procfs
 
 MIB = 1024 * 1024
 _DAVINCI = re.compile(r"^davinci(\d+)$")

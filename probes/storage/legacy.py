@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from agent.diagnose import waiting_on_lock
-from agent.host import ChildResult, statvfs_in_child
-from probes._procfs import ScanError, list_pids, scan_open_files
 from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
+from probes.runtime.host import ChildResult, statvfs_in_child
+from probes.runtime.procfs import ScanError, list_pids, scan_open_files
+from probes.runtime.pyspy import waiting_on_lock
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,13 @@
+"""host.memory and host.shm: host memory for pinned buffers and hugepages, and /dev/shm.
+
+Its config section also says where the host's /proc, /sys, /dev and root are.
+"""
+
+from __future__ import annotations
+
+from probes.base import Family, register_family
+from probes.host.config import HostConfig
+
+FAMILY = register_family(
+    Family(key="host", module=__name__, config=HostConfig, title="Host", doc="docs/probes/host.md", order=10)
+)

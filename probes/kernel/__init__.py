@@ -1,0 +1,17 @@
+"""The kernel log (/dev/kmsg) matched against node-problem-detector style rules."""
+
+from __future__ import annotations
+
+from probes.base import Family, register_family
+from probes.kernel.config import KernelLogConfig
+
+FAMILY = register_family(
+    Family(
+        key="kernel_log",
+        module=__name__,
+        config=KernelLogConfig,
+        title="Kernel log",
+        doc="docs/probes/kernel-log.md",
+        order=80,
+    )
+)

@@ -1,0 +1,64 @@
+"""Config of the kernel-log family (`kernel_log:`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from probes.base import CATEGORIES, PositiveSeconds, Section
+
+
+class KernelLogRule(Section):
+    """One node-problem-detector style rule: a regex over kernel-facility /dev/kmsg messages → a reason."""
+
+    reason: str = Field(pattern=r"^[A-Z][A-Za-z0-9]*$")
+    pattern: str
+    # temporary: reported with `status`; permanent: reported as fail. Both clear after the quiet period.
+    type: Literal["temporary", "permanent"] = "temporary"
+    count: int = Field(1, ge=1)  # matches needed within window_seconds to raise the problem
+    window_seconds: PositiveSeconds = 60.0
+    status: Literal["warn", "fail"] = "warn"
+    category: str = "host"
+    # Named group → values that make a match fail (e.g. {xid: ["79"]}) whatever `status` says.
+    fail_on: dict[str, list[str]] = {}
+    # A line matching this clears the problem at once (e.g. "nfs: server X OK").
+    recover_pattern: str | None = None
+    quiet_period_seconds: PositiveSeconds | None = None  # None: kernel_log.quiet_period_seconds
+    hint: str = ""
+
+    @field_validator("category")
+    @classmethod
+    def _known_category(cls, value: str) -> str:
+        if value not in CATEGORIES:
+            raise ValueError(f"unknown category {value!r} (allowed: {', '.join(CATEGORIES)})")
+        return value
+
+    @field_validator("pattern", "recover_pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+        return value
+
+
+def _default_kernel_log_rules() -> list[KernelLogRule]:
+    from probes.kernel.default_rules import DEFAULT_RULES
+
+    return [KernelLogRule.model_validate(rule) for rule in DEFAULT_RULES]
+
+
+class KernelLogConfig(Section):
+    # None: <host.dev>/kmsg.
+    path: str | None = None
+    quiet_period_seconds: PositiveSeconds = 3600.0
+    # Replaces the default rules when set; extra_rules are added to whichever set is in force.
+    rules: list[KernelLogRule] = Field(default_factory=_default_kernel_log_rules)
+    extra_rules: list[KernelLogRule] = []
+    # Bounds one run's work when the kernel floods the log.
+    max_records_per_run: int = Field(20000, ge=1)
+    max_line_chars: int = Field(240, ge=40)

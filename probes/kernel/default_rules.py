@@ -1,0 +1,105 @@
+"""The default kernel.log rules (config: kernel_log.rules), with where each spelling comes from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# XIDs that mean the GPU needs a reset or replacement (NVIDIA XID catalogue; 48/63/64 from the page retirement
+# doc, 94/95 from ml-engineering's debug guide, 74 NVLink, 79 fallen off the bus, 92 high SBE rate).
+GPU_FATAL_XIDS = ("48", "63", "64", "74", "79", "92", "94", "95")
+
+# Default rules (config: kernel_log.rules). Spellings and sources: README.md, Troubleshooting, Kernel log.
+DEFAULT_RULES: list[dict[str, Any]] = [
+    {
+        "reason": "PcieAerFatal",
+        "pattern": r"AER: (?:Multiple )?Uncorrect(?:ed|able) \(Fatal\) error"
+        r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Fatal\)",
+        "type": "permanent",
+        "status": "fail",
+        "hint": "a PCIe device reported a fatal uncorrectable error: find it in dmesg (lspci -vvv -s BDF), "
+        "drain the node and have the device or riser checked",
+    },
+    {
+        "reason": "PcieAerNonFatal",
+        "pattern": r"AER: (?:Multiple )?Uncorrect(?:ed|able) \(Non-Fatal\) error"
+        r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Non-Fatal\)",
+        "status": "warn",
+        "hint": "uncorrectable non-fatal PCIe errors: watch pcie.aer; repeated errors on one device call for a reseat",
+    },
+    {
+        "reason": "PcieCorrectableBurst",
+        "pattern": r"AER: (?:Multiple )?Correct(?:ed|able) error|PCIe Bus Error: severity=Correct(?:ed|able)",
+        "count": 10,
+        "window_seconds": 60,
+        "status": "warn",
+        "hint": "a burst of corrected PCIe errors usually means a marginal link: check pcie.link for a degraded width "
+        "or speed and reseat the card or cable",
+    },
+    {
+        "reason": "GpuXid",
+        "pattern": r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+)",
+        "status": "warn",
+        "category": "gpu",
+        "fail_on": {"xid": list(GPU_FATAL_XIDS)},
+        "hint": "look the XID up in NVIDIA's XID catalogue; 48/63/64/74/79/92/94/95 need a GPU reset "
+        "(nvidia-smi -r) or a reboot, repeated ones an RMA",
+    },
+    {
+        "reason": "NpuDriverHeartbeatLost",
+        "pattern": r"(?i)(?:\[ascend\]|devdrv|davinci|hdc|tsdrv|drv_pcie).*heart ?beat"
+        r".*(?:lost|timeout|timed out|abnormal)",
+        "status": "fail",
+        "category": "npu",
+        "hint": "the NPU stopped answering its driver's heartbeat: check npu-smi info -t health; a chip that stays "
+        "lost needs a hot reset (npu-smi set -t reset) or a reboot",
+    },
+    {
+        "reason": "NpuDriverError",
+        "pattern": r"^\[ascend\] (?:\[ERROR\] )?\[[^\]]+\] \[[^\]]+\].*(?i:fail|error|timeout|abnormal)",
+        "count": 20,
+        "window_seconds": 300,
+        "status": "warn",
+        "category": "npu",
+        "hint": "the Ascend driver logs errors at a high rate: read them (dmesg | grep ascend) and check "
+        "npu-smi info -t health",
+    },
+    {
+        "reason": "OomKill",
+        "pattern": r"Out of memory: Kill(?:ed)? process \d+|Memory cgroup out of memory: Kill(?:ed)? process \d+",
+        "status": "warn",
+        "hint": "the kernel killed a process for memory: compare the job's memory limit with its use, and look for "
+        "leftover processes holding host memory",
+    },
+    {
+        "reason": "HungTask",
+        "pattern": r"task .+:\d+ blocked for more than \d+ seconds",
+        "status": "warn",
+        "hint": "a task sat in uninterruptible sleep for minutes, usually on a hung filesystem (NFS) or device: "
+        "the lines after it in dmesg show its stack",
+    },
+    {
+        "reason": "NfsServerNotResponding",
+        "pattern": r"nfs: server (?P<server>\S+) not responding",
+        "recover_pattern": r"nfs: server \S+ OK",
+        "status": "warn",
+        "category": "storage",
+        "hint": "an NFS server stopped answering: check the network path to it (storage.mounts shows which mount "
+        "hangs); jobs reading from it will stall",
+    },
+    {
+        "reason": "Ext4Error",
+        "pattern": r"EXT4-fs error|EXT4-fs \([^)]+\): Remounting filesystem read-only",
+        "type": "permanent",
+        "status": "fail",
+        "category": "storage",
+        "hint": "ext4 found corruption or an I/O error: check the disk (smartctl -a), unmount and run e2fsck",
+    },
+    {
+        "reason": "XfsError",
+        "pattern": r"XFS \([^)]+\): .*(?i:error|corrupt|shut ?down|shutting down)",
+        "type": "permanent",
+        "status": "fail",
+        "category": "storage",
+        "hint": "XFS found corruption or an I/O error: check the disk (smartctl -a), unmount and run xfs_repair",
+    },
+]

@@ -1,0 +1,93 @@
+"""Config of the network family (`network:`)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, field_validator, model_validator
+
+from probes.base import PositiveSeconds, Section
+from probes.runtime.addresses import split_host_port
+
+
+class DnsConfig(Section):
+    names: list[str] = []
+    nameservers: list[str] = []  # "ip" or "ip:port"; empty: the host's resolv.conf
+    timeout_seconds: PositiveSeconds = 2.0  # per try, per nameserver
+    lifetime_seconds: PositiveSeconds = 4.0  # per name, all tries (bounded by the probe's deadline)
+    slow_seconds: PositiveSeconds = 0.5
+    # Resolved only when the agent runs in a pod (KUBERNETES_SERVICE_HOST set), with the pod's own
+    # /etc/resolv.conf (dnsPolicy ClusterFirstWithHostNet) unless `nameservers` is set.
+    cluster_names: list[str] = ["kubernetes.default.svc.cluster.local"]
+
+    @field_validator("nameservers")
+    @classmethod
+    def _ip_and_port(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            host, _ = split_host_port(entry, 53)
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ValueError(f"{entry!r}: a nameserver must be an IP address, optionally with :port") from None
+        return value
+
+
+class EgressTarget(Section):
+    name: str = ""  # empty: the subject is host:port
+    host: str
+    port: int = Field(443, ge=1, le=65535)
+    tls: bool = True
+    http_path: str | None = None
+    expect_status: list[int] = [200]
+    proxy: str | None = None  # http://host:port (HTTP CONNECT)
+    timeout_seconds: PositiveSeconds = 5.0
+    # Extra CA bundle (a host path, e.g. a corporate CA) trusted besides the agent's default CAs.
+    ca_file: str | None = None
+
+    @field_validator("proxy")
+    @classmethod
+    def _http_proxy(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.startswith("http://"):
+            raise ValueError("proxy must be http://host:port (HTTP CONNECT)")
+        split_host_port(value[len("http://") :].rstrip("/"), 3128)
+        return value
+
+    @field_validator("http_path")
+    @classmethod
+    def _absolute_path(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise ValueError("http_path must start with /")
+        return value
+
+    @property
+    def subject(self) -> str:
+        return self.name or f"{self.host}:{self.port}"
+
+
+class LinksConfig(Section):
+    interfaces: list[str] = []  # empty: every physical NIC
+    max_carrier_changes_per_hour: float = Field(6, ge=0)
+    # Network namespace to inspect (a path such as /run/netns/x); empty: the host's, <proc>/1/ns/net.
+    netns: str = ""
+
+
+class PortsConfig(Section):
+    base: int = Field(60000, ge=1, le=65535)
+    count: int = Field(16, ge=1, le=65535)
+    # Warn (PortsNotReserved) when net.ipv4.ip_local_reserved_ports does not cover the range.
+    check_reserved: bool = True
+
+    @model_validator(mode="after")
+    def _fits(self) -> PortsConfig:
+        if self.base + self.count - 1 > 65535:
+            raise ValueError("base + count - 1 must not exceed 65535")
+        return self
+
+
+class NetworkConfig(Section):
+    dns: DnsConfig = DnsConfig()
+    egress: list[EgressTarget] = []
+    links: LinksConfig = LinksConfig()
+    ports: PortsConfig = PortsConfig()

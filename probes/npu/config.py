@@ -1,0 +1,32 @@
+"""Config of the npu family (`npu:`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from probes.base import PositiveSeconds, Section
+
+
+class NpuConfig(Section):
+    smi_command: list[str] = ["npu-smi"]
+    smi_timeout_seconds: PositiveSeconds = 8.0
+    min_hbm_free_mib: float = Field(0, ge=0)
+    # Chips expected on this node; None: one per /dev/davinciN node.
+    expected_chips: int | None = Field(None, ge=0)
+    # npu-smi health word → status.
+    health_status: dict[str, Literal["ok", "warn", "fail"]] = {
+        "OK": "ok",
+        "Warning": "warn",
+        "Alarm": "fail",
+        "Critical": "fail",
+    }
+    # HBM in use with no process on the chip above this many MiB → NpuHbmLeaked. An idle chip already
+    # shows firmware-reserved memory in use: 910B ~3.4 GiB, A3 ~3 GiB, 950 ~4.4 GiB (npu-smi fixtures).
+    hbm_leak_min_mib: float = Field(8192, ge=0)
+    # Device nodes (globs under host.dev) whose holders npu.holders reports; matched by device number.
+    holder_devices: list[str] = ["davinci[0-9]*", "davinci_manager", "devmm_svm", "hisi_hdc"]
+    holder_scan_timeout_seconds: PositiveSeconds = 5.0
+    # Holders never reported (fnmatch on the process name): the driver's own host daemons, npu-smi itself.
+    holder_ignore_commands: list[str] = ["npu-smi", "dmp_daemon", "slogd", "sklogd", "log-daemon", "hccn_tool"]

@@ -1,0 +1,107 @@
+"""Config of the storage family (`storage:`)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field, model_validator
+
+from probes.base import Percent, PositiveSeconds, Section
+
+
+class MountSpec(Section):
+    path: str
+    fstype: str = "*"  # fnmatch pattern: nfs4, nfs*, fuse.*, lustre
+    source: str | None = None
+
+
+class WriteProbeSpec(Section):
+    path: str
+    uid: int = Field(0, ge=0)
+    gid: int = Field(0, ge=0)
+    bytes: int = Field(65536, ge=1)
+
+
+class SpaceSpec(Section):
+    path: str
+    warn_percent: Percent = 85.0
+    fail_percent: Percent = 95.0
+    warn_inodes_percent: Percent = 85.0
+    fail_inodes_percent: Percent = 95.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpaceSpec:
+        if self.warn_percent > self.fail_percent:
+            raise ValueError("warn_percent must not exceed fail_percent")
+        if self.warn_inodes_percent > self.fail_inodes_percent:
+            raise ValueError("warn_inodes_percent must not exceed fail_inodes_percent")
+        return self
+
+
+class ModelCacheSpec(Section):
+    cache_dir: str
+    repo_id: str
+    revision: str = "main"
+
+
+class StorageConfig(Section):
+    mounts: list[MountSpec] = []
+    mount_timeout_seconds: PositiveSeconds = 5.0
+    write_probes: list[WriteProbeSpec] = []
+    # One write (N bytes + fsync + close) may take a while on a busy NFS server.
+    write_timeout_seconds: PositiveSeconds = 10.0
+    space: list[SpaceSpec] = [SpaceSpec(path="/")]
+    space_timeout_seconds: PositiveSeconds = 5.0
+    lock_globs: list[str] = [
+        "/root/.cache/torch_extensions/*/*/lock",
+        "/root/.cache/huggingface/hub/.locks/*/*.lock",
+        "/root/.cache/modelscope/hub/.lock/*",
+    ]
+    stale_lock_age_seconds: PositiveSeconds = 1800.0
+    remove_stale_locks: bool = False
+    # File names (fnmatch) of existence-style locks (torch FileBaton: the file's existence is the lock).
+    # Other lock files are flock-style unless they hold a SoftFileLock record ("<pid>\n<hostname>").
+    baton_lock_names: list[str] = ["lock"]
+    # While stale locks exist: py-spy up to this many sleeping Python processes to find those waiting on
+    # them (ProcessWaitingOnFileBaton); 0 turns it off. py-spy pauses each process for a moment.
+    lock_waiter_max_processes: int = Field(8, ge=0)
+    py_spy_command: list[str] = ["py-spy"]
+    # Filesystem types (fnmatch) where a lock holder may sit on another node: stale locks only warn there.
+    shared_fstypes: list[str] = [
+        "nfs*",
+        "lustre",
+        "fuse",
+        "fuse.*",
+        "cifs",
+        "smb*",
+        "ceph",
+        "glusterfs",
+        "gpfs",
+        "beegfs",
+        "afs",
+        "9p",
+        "virtiofs",
+        "ocfs2",
+        "gfs2",
+        "wekafs",
+    ]
+    locks_timeout_seconds: PositiveSeconds = 5.0
+    model_caches: list[ModelCacheSpec] = []
+    model_cache_timeout_seconds: PositiveSeconds = 10.0
+
+    @model_validator(mode="after")
+    def _unique_subjects(self) -> StorageConfig:
+        for key, paths in (
+            ("mounts", [m.path for m in self.mounts]),
+            ("write_probes", [w.path for w in self.write_probes]),
+        ):
+            seen: set[str] = set()
+            for path in paths:
+                normal = os.path.normpath(path)
+                if normal in seen:
+                    raise ValueError(f"{key}: path {path} is listed twice")
+                seen.add(normal)
+        for glob_pattern in self.lock_globs:
+            if not glob_pattern.startswith("/"):
+                raise ValueError(f"lock_globs: {glob_pattern!r} must be an absolute path")
+        return self

@@ -1,0 +1,35 @@
+"""Config of the time family (`time:`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import field_validator, model_validator
+
+from probes.base import PositiveSeconds, Section
+from probes.runtime.addresses import split_host_port
+
+
+class TimeConfig(Section):
+    ntp_servers: list[str] = []  # "host" or "host:port"
+    warn_offset_seconds: PositiveSeconds = 0.1
+    fail_offset_seconds: PositiveSeconds = 1.0
+    ntp_timeout_seconds: PositiveSeconds = 2.0
+    # argv prefix for chronyc; `-n tracking` is appended. e.g. [nsenter, -t, 1, -m, -n, --, chronyc]
+    chronyc_command: list[str] = ["chronyc"]
+    chronyc_timeout_seconds: PositiveSeconds = 2.0
+    # An unsynchronised kernel clock that no NTP server could be asked about: warn (default) or fail.
+    unsynced_status: Literal["warn", "fail"] = "warn"
+
+    @field_validator("ntp_servers")
+    @classmethod
+    def _host_and_port(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            split_host_port(entry, 123)
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TimeConfig:
+        if self.warn_offset_seconds > self.fail_offset_seconds:
+            raise ValueError("warn_offset_seconds must not exceed fail_offset_seconds")
+        return self
