@@ -15,8 +15,8 @@ import pytest
 from netservers import DnsTestServer, SilentUdpPort, SntpTestServer, ZoneResolver, refused_port, servers, to_ntp
 
 from agent.config import ConfigError, parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
+from probes.runtime.host import Host
 from probes.time.time import (
     STA_UNSYNC,
     TIME_ERROR,

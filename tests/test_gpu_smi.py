@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from agent.config import parse_config
-from probes.runtime.host import Host
 from agent.scheduler import execute
+from probes.base import ProbeParseError
+from probes.gpu.gpu import GpuProbe
 from probes.gpu.nvidia_smi import (
     SmiParseError,
     inforom_corrupted_buses,
@@ -24,8 +25,7 @@ from probes.gpu.nvidia_smi import (
     parse_table,
     short_bus_id,
 )
-from probes.base import ProbeParseError
-from probes.gpu.gpu import GpuProbe
+from probes.runtime.host import Host
 from tests.conftest import REPO, require_fixtures
 
 MIB = 1024 * 1024

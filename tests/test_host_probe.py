@@ -11,9 +11,9 @@ import pytest
 from conftest import require, require_root
 
 from agent.config import parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, ProbeParseError, Status
 from probes.host.host import HostProbe, parse_meminfo
+from probes.runtime.host import Host
 
 MEMINFO = """MemTotal:       65536000 kB
 MemFree:         1000000 kB

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from agent.config import ConfigError, parse_config
-from probes.kernel.config import KernelLogRule
-from probes.runtime.host import Host
 from probes.base import ProbeContext, Sample, Status
+from probes.kernel.config import KernelLogRule
 from probes.kernel.log import (
     DEFAULT_RULES,
     KernelLogProbe,
@@ -27,6 +26,7 @@ from probes.kernel.log import (
     parse_kmsg_record,
     split_records,
 )
+from probes.runtime.host import Host
 from tests.conftest import require, require_root, require_tool
 
 # --- parsing -------------------------------------------------------------------------------------------

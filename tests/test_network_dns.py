@@ -12,9 +12,9 @@ from conftest import require, require_root
 from netservers import DnsTestServer, SilentUdpPort, ZoneResolver, servers
 
 from agent.config import ConfigError, parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, Sample, Status
 from probes.network.legacy import DnsProbe, parse_hosts_file
+from probes.runtime.host import Host
 
 ZONE = {"mirror.test": "127.0.0.1", "github.test": "127.0.0.9"}
 

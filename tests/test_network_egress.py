@@ -28,9 +28,9 @@ from netservers import (
 )
 
 from agent.config import ConfigError, parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, Sample, Status
 from probes.network.legacy import EgressProbe
+from probes.runtime.host import Host
 
 
 @dataclass

@@ -11,9 +11,9 @@ from conftest import require_root, require_tool
 from netservers import Netns
 
 from agent.config import parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, Sample, Status
 from probes.network.legacy import CarrierHistory, LinksProbe, LinkState, choose_netns, is_physical, link_findings
+from probes.runtime.host import Host
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from agent.config import ConfigError, parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.network.legacy import (
     PortsProbe,
@@ -25,6 +24,7 @@ from probes.network.legacy import (
     ports_outside,
     sockets_in_range,
 )
+from probes.runtime.host import Host
 
 POD_UID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
 POD_CGROUP = (

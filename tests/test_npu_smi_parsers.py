@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from probes.runtime.host import CommandResult
+from probes.base import ProbeParseError
 from probes.npu.smi_parse import (
     ChipMapping,
     NpuInfo,
@@ -23,7 +23,7 @@ from probes.npu.smi_parse import (
     parse_usages,
     resolve_ids,
 )
-from probes.base import ProbeParseError
+from probes.runtime.host import CommandResult
 from tests.conftest import FIXTURES, require_fixtures
 
 NPU_FIXTURES = FIXTURES / "npu-smi"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from agent.config import parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.pcie.pcie import PcieProbe, discover_functions, parse_aer_counters, parse_link_speed
+from probes.runtime.host import Host
 
 COR_NAMES = ["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF"]
 UNCOR_NAMES = [

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from agent.config import parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, Status
+from probes.runtime.host import Host
 from probes.storage.legacy import SpaceProbe
 from tests.conftest import require_root
 

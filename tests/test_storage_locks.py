@@ -17,8 +17,8 @@ from fusefs import fuse_mount
 from test_storage_mounts import fuse_capable, wait_reaped
 
 from agent.config import parse_config
-from probes.runtime.host import ChildCalls, Host
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
+from probes.runtime.host import ChildCalls, Host
 from probes.storage.legacy import (
     LocksProbe,
     MountEntry,

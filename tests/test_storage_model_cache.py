@@ -12,8 +12,8 @@ from fusefs import fuse_mount
 from test_storage_mounts import fuse_capable, wait_reaped
 
 from agent.config import parse_config
-from probes.runtime.host import ChildCalls, Host
 from probes.base import Finding, ProbeContext, Sample, Status
+from probes.runtime.host import ChildCalls, Host
 from probes.storage.legacy import ModelCacheProbe, hub_repo_folder
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

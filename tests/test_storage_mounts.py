@@ -14,10 +14,10 @@ from conftest import require, require_root, require_tool
 from fusefs import fuse_mount
 
 from agent.config import ConfigError, parse_config
-from probes.runtime.host import ChildCalls, Host
 from agent.scheduler import execute
 from agent.state import PARSE_ERROR
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
+from probes.runtime.host import ChildCalls, Host
 from probes.storage.legacy import MountsProbe, mount_at, mount_containing, parse_mountinfo
 
 

@@ -17,8 +17,8 @@ from fusefs import fuse_mount
 from test_storage_mounts import fuse_capable
 
 from agent.config import parse_config
-from probes.runtime.host import Host
 from probes.base import Finding, ProbeContext, Sample, Status
+from probes.runtime.host import Host
 from probes.storage.legacy import WriteProbe, write_finding, write_probe_file_name
 
 JOB_UID, JOB_GID = 4321, 4322
