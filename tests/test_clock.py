@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from netservers import DnsTestServer, SilentUdpPort, SntpTestServer, ZoneResolver, refused_port, servers, to_ntp
+from support.netservers import DnsTestServer, SilentUdpPort, SntpTestServer, ZoneResolver, refused_port, servers, to_ntp
 
 from agent.config import ConfigError, parse_config
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status

@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO, require_tool
+from support.system import REPO, require_tool
 
 from agent.config import parse_config
 from probes import all_probes

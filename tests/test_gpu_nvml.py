@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.conftest import REPO, require, require_root
-from tests.fake_nvml.build import LIBRARY_NAME, build_fake_nvml, device_config
+from support.fake_nvml.build import LIBRARY_NAME, build_fake_nvml, device_config
+from support.system import REPO, require, require_root
 
 RUNNER = r"""
 import json, sys
@@ -135,7 +134,7 @@ def test_healthy_gpus_every_check_ok_with_metrics_and_exactly_the_calls_the_fake
     # One pass: init, every device, shutdown; and every entry point the fake exports was used.
     assert run.calls[0] == "nvmlInitWithFlags" and run.calls[-1] == "nvmlShutdown"
     assert run.calls.count("nvmlInitWithFlags") == 1
-    source = (REPO / "tests" / "fake_nvml" / "fake_nvml.c").read_text()
+    source = (REPO / "tests" / "support" / "fake_nvml" / "fake_nvml.c").read_text()
     exported = {name for name in set(run.calls) if f" {name}(" in source}
     assert exported == set(run.calls)
     assert {

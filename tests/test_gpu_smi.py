@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.system import REPO, require_fixtures
 
 from agent.config import parse_config
 from agent.scheduler import execute
@@ -26,7 +27,6 @@ from probes.gpu.nvidia_smi import (
     short_bus_id,
 )
 from probes.runtime.host import Host
-from tests.conftest import REPO, require_fixtures
 
 MIB = 1024 * 1024
 

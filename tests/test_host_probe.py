@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require, require_root
+from support.system import require, require_root
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, ProbeParseError, Status

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.system import require, require_root, require_tool
 
 from agent.config import ConfigError, parse_config
 from probes.base import ProbeContext, Sample, Status
@@ -27,7 +28,6 @@ from probes.kernel.log import (
     split_records,
 )
 from probes.runtime.host import Host
-from tests.conftest import require, require_root, require_tool
 
 # --- parsing -------------------------------------------------------------------------------------------
 

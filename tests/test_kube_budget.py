@@ -6,8 +6,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from kube_double import ApiDouble
-from kube_helpers import (
+from support.kube_double import ApiDouble
+from support.kube_helpers import (
     BUDGET_NS,
     Clock,
     blocking_tainted,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import kubernetes.client
 import pytest
-from kube_double import ApiDouble, json_patch, label_selector_matches, merge_patch, strategic_merge
 from kubernetes.client.rest import ApiException
+from support.kube_double import ApiDouble, json_patch, label_selector_matches, merge_patch, strategic_merge
 
 STRATEGIC = "application/strategic-merge-patch+json"
 

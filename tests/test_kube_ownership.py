@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kube_double import ApiDouble, running_double
-from kube_helpers import Clock, conditions, foreign_taints, health_state, labels, make_agent, our_taints, record
+from support.kube_double import ApiDouble, running_double
+from support.kube_helpers import Clock, conditions, foreign_taints, health_state, labels, make_agent, our_taints, record
 
 PROBES = {"storage": ("storage.mounts",), "npu": ("npu.health",)}
 OURS = {"StorageHealthy", "NPUHealthy", "GPUHealthy", "NetworkHealthy", "ClockSynced", "HostHealthy"}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kube_double import ApiDouble
-from kube_helpers import (
+from support.kube_double import ApiDouble
+from support.kube_helpers import (
     BUDGET_NS,
     DEFAULT_PROBES,
     Clock,

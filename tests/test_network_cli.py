@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import yaml
-from conftest import REPO
-from netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver, servers
+from support.netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver, servers
+from support.system import REPO
 
 CLI = "from agent.cli import main; raise SystemExit(main())"
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require, require_root
-from netservers import DnsTestServer, SilentUdpPort, ZoneResolver, servers
+from support.netservers import DnsTestServer, SilentUdpPort, ZoneResolver, servers
+from support.system import require, require_root
 
 from agent.config import ConfigError, parse_config
 from probes.base import Finding, ProbeContext, Sample, Status

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, require_root, require_tool
-from netservers import (
+from support.netservers import (
     ConnectProxy,
     DnsTestServer,
     HttpTestServer,
@@ -26,6 +25,7 @@ from netservers import (
     refused_port,
     servers,
 )
+from support.system import REPO, require_root, require_tool
 
 from agent.config import ConfigError, parse_config
 from probes.base import Finding, ProbeContext, Sample, Status

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_root, require_tool
-from netservers import Netns
+from support.netservers import Netns
+from support.system import require_root, require_tool
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status

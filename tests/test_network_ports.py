@@ -263,7 +263,7 @@ def test_range_must_fit() -> None:
 def test_reserved_ports_are_read_in_the_hosts_network_namespace(tmp_path: Path) -> None:
     """The agent's pod has its own network namespace; net.ipv4 sysctls are per namespace, so they are read
     by a child that entered the host's (here: a namespace the test creates, standing in for /proc/1/ns/net)."""
-    from conftest import require, require_root, require_tool
+    from support.system import require, require_root, require_tool
 
     from probes.network.legacy import read_host_net_sysctls
 

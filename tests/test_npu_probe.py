@@ -17,15 +17,15 @@ from typing import Any
 
 import psutil
 import pytest
+from support.system import REPO, require, require_fixtures, require_root, require_tool
 
 from agent.config import parse_config
 from probes.base import OBSERVED_HBM_FREE_MIB, Finding, ProbeContext, Sample, Status
 from probes.npu.npu import NpuProbe
 from probes.runtime.host import Host
 from probes.runtime.procfs import classify_cgroup
-from tests.conftest import REPO, require, require_fixtures, require_root, require_tool
 
-FAKE = REPO / "tests" / "fake_npu_smi.py"
+FAKE = REPO / "tests" / "support" / "fake_npu_smi.py"
 
 
 def npu_fixture(name: str) -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.system import FIXTURES, require_fixtures
 
 from probes.base import ProbeParseError
 from probes.npu.smi_parse import (
@@ -24,7 +25,6 @@ from probes.npu.smi_parse import (
     resolve_ids,
 )
 from probes.runtime.host import CommandResult
-from tests.conftest import FIXTURES, require_fixtures
 
 NPU_FIXTURES = FIXTURES / "npu-smi"
 

@@ -4,7 +4,7 @@
   deploy/prometheus/tests.yaml (a firing and a not-firing case for every alert), `check metrics` on the
   agent's real /metrics.
 - A real Prometheus (Debian package) on 127.0.0.1 scrapes a running agent on a fake accelerator node
-  (tests/fake_node.py) every second and evaluates the rules: every query of the dashboard, its template
+  (tests/support/fake_node.py) every second and evaluates the rules: every query of the dashboard, its template
   variables substituted, must parse and return data; every rule must evaluate without error; a fatal PCIe
   AER error the kernel counts on the fake node must end up as a firing alert.
 """
@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import REPO, require_fixtures, require_root, require_tool
-from fake_node import FakeNode, free_port
+from support.fake_node import FakeNode, free_port
+from support.system import REPO, require_fixtures, require_root, require_tool
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 RULES = PROMETHEUS_DIR / "node-health-rules.yaml"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.system import require, require_root
 
 from probes.runtime.host import ChildCalls, Host
 from probes.runtime.procfs import (
@@ -30,7 +31,6 @@ from probes.runtime.procfs import (
     scan_fds_in_child,
     scan_open_files,
 )
-from tests.conftest import require, require_root
 
 UID = "1f0e7c2a-3b4d-4e5f-8a9b-0c1d2e3f4a5b"
 UID_ = UID.replace("-", "_")
@@ -529,7 +529,7 @@ def test_scan_over_a_hung_fuse_file_times_out_and_never_blocks_the_caller(tmp_pa
     require_root()
     require(os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None, "FUSE (/dev/fuse, fusermount3)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fusefs import fuse_mount
+    from support.fusefs import fuse_mount
 
     children = ChildCalls()
     host = Host(children=children)

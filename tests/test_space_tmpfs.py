@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.system import require_root
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Status
 from probes.runtime.host import Host
 from probes.storage.legacy import SpaceProbe
-from tests.conftest import require_root
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         ["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=64", "tmpfs", str(mountpoint)], capture_output=True
     )
     if result.returncode != 0:
-        from tests.conftest import require
+        from support.system import require
 
         require(False, f"mount tmpfs: {result.stderr.decode().strip()}")
     try:

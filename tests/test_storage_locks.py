@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_root
-from fusefs import fuse_mount
-from test_storage_mounts import fuse_capable, wait_reaped
+from support.fusefs import fuse_mount
+from support.system import fuse_capable, require_root, wait_reaped
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
@@ -365,8 +364,8 @@ def test_hung_lock_directory_is_reported_not_waited_on(tmp_path: Path) -> None:
 def test_a_process_waiting_on_a_stale_baton_is_named(tmp_path: Path) -> None:
     """A real Python child stuck in FileBaton.wait() on a stale lock, found with the real py-spy."""
     require_root()
-    from conftest import require_tool
-    from test_diagnose import FILE_BATON, child
+    from support.pyprocs import FILE_BATON, child
+    from support.system import require_tool
 
     require_tool("py-spy")
     build_directory = tmp_path / "torch_extensions" / "py311_cpu" / "fused_adam"

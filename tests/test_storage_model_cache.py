@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fusefs import fuse_mount
-from test_storage_mounts import fuse_capable, wait_reaped
+from support.fusefs import fuse_mount
+from support.system import fuse_capable, wait_reaped
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import require, require_root, require_tool
-from fusefs import fuse_mount
+from support.fusefs import fuse_mount
+from support.system import fuse_capable, require_root, require_tool, wait_reaped
 
 from agent.config import ConfigError, parse_config
 from agent.scheduler import execute
@@ -19,16 +19,6 @@ from agent.state import PARSE_ERROR
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.runtime.host import ChildCalls, Host
 from probes.storage.legacy import MountsProbe, mount_at, mount_containing, parse_mountinfo
-
-
-def fuse_capable() -> None:
-    require_root()
-    require(Path("/dev/fuse").exists(), "/dev/fuse")
-    require_tool("fusermount3")
-    try:
-        import mfusepy  # noqa: F401
-    except (ImportError, OSError) as exc:  # OSError: libfuse not installed
-        require(False, f"mfusepy with libfuse: {exc}")
 
 
 def run_mounts(host: Host, mounts: list[dict], timeout: float = 1.0, probe: MountsProbe | None = None):
@@ -44,13 +34,6 @@ def sample_value(samples: list[Sample], name: str, path: str) -> float | None:
         if sample.name == name and sample.labels.get("path") == path:
             return sample.value
     return None
-
-
-def wait_reaped(children: ChildCalls, seconds: float = 10.0) -> dict[str, int]:
-    end = time.monotonic() + seconds
-    while children.in_flight() and time.monotonic() < end:
-        time.sleep(0.05)
-    return children.in_flight()
 
 
 @pytest.mark.system

@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_root
-from fusefs import fuse_mount
-from test_storage_mounts import fuse_capable
+from support.fusefs import fuse_mount
+from support.system import fuse_capable, require_root
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status

@@ -6,12 +6,11 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from kube_double import ApiDouble
-
 from agent.config import parse_config
 from agent.kube import KubeAgent
 from agent.state import HealthState, ProbeSpec
 from probes.base import Finding, Status
+from support.kube_double import ApiDouble
 
 PREFIX = "node-health"
 BUDGET_NS = "node-health"

@@ -1,7 +1,7 @@
 """A fake accelerator node for end-to-end tests of the agent: `node-health run --no-kube` in a subprocess, with
 every probe family given something real to look at.
 
-- npu: `npu-smi` is tests/fake_npu_smi.py answering from the captured 910B output in the fixtures; /dev is a
+- npu: `npu-smi` is tests/support/fake_npu_smi.py answering from the captured 910B output in the fixtures; /dev is a
   temporary directory with mknod'ed davinci nodes; a child process holds davinci0 (a copy of /dev/full's
   device number) outside any pod, so npu.holders reports NpuHeldOutOfBand.
 - gpu: NVML cannot load (a library path that does not exist), so the nvidia-smi fallback runs: the same fake
@@ -12,7 +12,7 @@ every probe family given something real to look at.
 - storage: `/` as an expected mount, free space of the temp dir, a write probe, a stale torch FileBaton lock.
 - network and time: a DNS server (dnslib), an HTTP egress target and an SNTP server, all on 127.0.0.1.
 - kernel.log: the real /dev/kmsg when it can be read, else an empty file.
-- kubernetes (`kube=True`): the agent reconciles its Node on the in-repo API double (tests/kube_double.py)
+- kubernetes (`kube=True`): the agent reconciles its Node on the in-repo API double (tests/support/kube_double.py)
   through a kubeconfig; the taint budget is 0, so its taints are withheld (nodehealth_taint_suppressed).
   With `kube=False` it runs `--no-kube`.
 
@@ -38,10 +38,11 @@ from types import TracebackType
 from typing import Any
 
 import yaml
-from kube_double import ApiDouble
-from netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver
 
-REPO = Path(__file__).resolve().parent.parent
+from support.kube_double import ApiDouble
+from support.netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver
+
+REPO = Path(__file__).resolve().parents[2]
 FAKE_SMI = Path(__file__).resolve().parent / "fake_npu_smi.py"
 
 NPU_INFO_FIXTURE = "npu-smi/910b1-8card-healthy-1proc-info-24.1.0.txt"
@@ -405,8 +406,8 @@ class _Stoppable:
 
 
 def main() -> int:
-    """Run a fake node by hand: `cd tests && python fake_node.py DIR` (Ctrl-C stops it)."""
-    from conftest import FIXTURES
+    """Run a fake node by hand: `cd tests && python -m support.fake_node DIR` (Ctrl-C stops it)."""
+    from support.system import FIXTURES
 
     workdir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/node-health-fake-node")
     shutil.rmtree(workdir, ignore_errors=True)

@@ -1,6 +1,6 @@
 """FUSE filesystems for the storage tests, each a real mount served by its own process.
 
-Run as a script (`python tests/fusefs.py MOUNTPOINT [--write-errno EDQUOT] ...`) it serves an in-memory
+Run as a script (`python tests/support/fusefs.py MOUNTPOINT [--write-errno EDQUOT] ...`) it serves an in-memory
 filesystem in the foreground until killed; `fuse_mount()` starts one in a subprocess, waits until the
 kernel's mount table shows it (never by touching the mount: a hanging one would block the test), and
 always lazily unmounts it and kills the daemon, which aborts the connection and frees any process stuck

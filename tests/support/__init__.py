@@ -1,0 +1,1 @@
+"""Test support: servers, fake tools and nodes, the Kubernetes API double, FUSE filesystems."""
