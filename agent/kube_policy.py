@@ -179,15 +179,9 @@ def desired_state(snapshot: Snapshot, policy: KubernetesConfig) -> Desired:
 
     events = []
     for state in snapshot.checks:
-        wanted = state.finding.observed.get("event") if state.finding.observed else None
-        if isinstance(wanted, dict) and wanted.get("reason") and wanted.get("message"):
+        wanted = state.finding.event
+        if wanted is not None:
             events.append(
-                FindingEvent(
-                    state.finding.check,
-                    state.finding.subject,
-                    str(wanted["reason"]),
-                    str(wanted["message"]),
-                    bool(wanted.get("warning", state.finding.status in (Status.FAIL, Status.WARN))),
-                )
+                FindingEvent(state.finding.check, state.finding.subject, wanted.reason, wanted.message, wanted.warning)
             )
     return Desired(tuple(taints), tuple(conditions), ready_label, tuple(events))

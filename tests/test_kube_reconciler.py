@@ -27,6 +27,7 @@ from support.kube_helpers import (
 from agent.config import parse_config
 from agent.kube import KubeAgent, load_api_client
 from agent.state import HealthState
+from probes.base import Event
 
 FOREIGN_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 FOREIGN_CONDITION = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting"}
@@ -223,7 +224,7 @@ def test_dry_run_writes_nothing(double: ApiDouble) -> None:
     state = health_state("n1", clock)
     agent = make_agent(double, state, clock, dry_run=True)
     all_ok(state)
-    record(state, "storage", "storage.mounts", "fail", "MountMissing", event={"reason": "LockRemoved", "message": "x"})
+    record(state, "storage", "storage.mounts", "fail", "MountMissing", event=Event("LockRemoved", "x"))
     agent.reconcile_once()
     agent.reconcile_once()
     assert double.writes == []
@@ -243,12 +244,12 @@ def test_finding_events_are_emitted_once_per_distinct_event(double: ApiDouble) -
     agent = make_agent(double, state, clock)
     all_ok(state)
     agent.reconcile_once()
-    lock = {"reason": "StaleLockRemoved", "message": "removed /root/.cache/torch_extensions/x/lock (2 h old)"}
+    lock = Event("StaleLockRemoved", "removed /root/.cache/torch_extensions/x/lock (2 h old)")
     for _ in range(3):
         clock.advance(30)
         record(state, "storage", "storage.mounts", "ok", event=lock)
         agent.reconcile_once()
-    other = {"reason": "StaleLockRemoved", "message": "removed /root/.cache/torch_extensions/y/lock (3 h old)"}
+    other = Event("StaleLockRemoved", "removed /root/.cache/torch_extensions/y/lock (3 h old)")
     record(state, "storage", "storage.mounts", "ok", event=other)
     agent.reconcile_once()
     messages = [e["message"] for e in double.events("default") if e["reason"] == "StaleLockRemoved"]

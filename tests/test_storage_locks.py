@@ -169,9 +169,9 @@ def test_remove_stale_node_local_locks_only(tmp_path: Path) -> None:
         assert not dead.path.exists()
         assert live.path.exists()
         assert counter(samples, baton_glob) == 1
-        # told to Kubernetes as an event on the Node (the reconciler emits observed["event"])
-        assert finding.observed["event"]["reason"] == "StaleLockRemoved"
-        assert str(dead.path) in finding.observed["event"]["message"]
+        # told to Kubernetes as an event on the Node (the reconciler emits Finding.event)
+        assert finding.event is not None and finding.event.reason == "StaleLockRemoved"
+        assert str(dead.path) in finding.event.message
         again, samples = run_locks([baton_glob], remove=True, probe=probe)
         assert again[baton_glob].status == Status.OK
         assert counter(samples, baton_glob) == 1  # a counter: it keeps its total

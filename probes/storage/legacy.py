@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
+from probes.base import Event, Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
 from probes.runtime.host import ChildResult, statvfs_in_child
 from probes.runtime.procfs import ScanError, list_pids, scan_open_files
 from probes.runtime.pyspy import waiting_on_lock
@@ -1165,8 +1165,9 @@ class LocksProbe(Probe):
                 f"removed {len(removed)} stale node-local lock(s): {_path_list(removed)}",
                 "nothing to do; jobs that waited on it proceed. Frequent removals mean jobs get killed while "
                 "building extensions",
+                observed,
                 # The reconciler turns this into a Kubernetes event on the Node: a deletion is always told.
-                {**observed, "event": {"reason": "StaleLockRemoved", "message": f"removed {_path_list(removed)}"}},
+                event=Event("StaleLockRemoved", f"removed {_path_list(removed)}"),
             )
         return Finding(
             "storage.locks",

@@ -9,7 +9,7 @@ from typing import Any
 from agent.config import parse_config
 from agent.kube import KubeAgent
 from agent.state import HealthState, ProbeSpec
-from probes.base import Finding, Status
+from probes.base import Event, Finding, Status
 from support.kube_double import ApiDouble
 
 PREFIX = "node-health"
@@ -54,11 +54,20 @@ def configure(state: HealthState, probes: dict[str, tuple[str, ...]], interval: 
     state.configure([ProbeSpec(name, checks, interval, 5.0) for name, checks in probes.items()])
 
 
-def record(state: HealthState, probe: str, check: str, status: str, reason: str = "", **observed: Any) -> None:
+def record(
+    state: HealthState,
+    probe: str,
+    check: str,
+    status: str,
+    reason: str = "",
+    event: Event | None = None,
+    **observed: Any,
+) -> None:
     status_value = Status(status)
     reason = reason or ("OK" if status_value == Status.OK else "Broken")
     hint = "" if status_value == Status.OK else "fix it"
-    state.record(probe, [Finding(check, "", status_value, reason, f"{check} is {status}", hint, observed)])
+    finding = Finding(check, "", status_value, reason, f"{check} is {status}", hint, observed, event=event)
+    state.record(probe, [finding])
 
 
 def all_ok(state: HealthState, probes: dict[str, tuple[str, ...]] | None = None) -> None:
