@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", metavar="FILE", help="YAML config file, reloaded when it changes or on SIGHUP")
     run.add_argument("--no-kube", action="store_true", help="do not talk to Kubernetes (metrics and /ready only)")
 
-    sub.add_parser("probes", help="list probes, their checks, intervals and what each needs on the host")
+    probes = sub.add_parser("probes", help="list probes, their checks, intervals and what each needs on the host")
+    probes.add_argument("--reasons", action="store_true", help="list every reason code: status, meaning and fix")
 
     config = sub.add_parser("config", help="configuration helpers")
     config.add_argument("--defaults", action="store_true", help="print the full default config as YAML")
@@ -131,7 +132,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_READY if verdict.ready else EXIT_NOT_READY
 
 
-def cmd_probes(_: argparse.Namespace) -> int:
+def cmd_probes(args: argparse.Namespace) -> int:
+    if args.reasons:
+        from agent.reference import reason_uses, reasons_text
+
+        sys.stdout.write(reasons_text(reason_uses()))
+        return 0
     for name, cls in all_probes().items():
         print(f"{name}")
         print(f"  checks:   {', '.join(cls.checks)}")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from probes.base import CATEGORIES, OBSERVED_HBM_FREE_MIB, Finding, Sample, Status, category_of
+from probes.base import CATEGORIES, OBSERVED_HBM_FREE_MIB, Finding, Reason, Sample, Status, category_of
 
 # Reasons the agent itself gives (not a probe): they block readiness whether the check is required or not,
 # because they say the agent cannot vouch for the node.
@@ -25,6 +25,40 @@ PROBE_ERROR = "ProbeError"
 PARSE_ERROR = "ParseError"
 HBM_BELOW_REQUEST = "HbmBelowRequest"
 ALWAYS_BLOCKING = frozenset({WARMING_UP, STALE})
+
+# The reasons the agent itself gives, documented beside the probes' own (node-health probes --reasons).
+AGENT_REASONS: tuple[Reason, ...] = (
+    Reason(
+        WARMING_UP,
+        Status.UNKNOWN,
+        "the check has not produced a result since the agent started; never ready meanwhile",
+        "wait one probe interval; /status shows when each probe last ran",
+    ),
+    Reason(
+        STALE,
+        Status.UNKNOWN,
+        "the last result is older than health.stale_after_intervals intervals: the probe is not running on schedule",
+        "see /healthz, /status and the agent log; a probe stuck on a hung filesystem or tool shows there",
+    ),
+    Reason(
+        PROBE_TIMEOUT,
+        Status.UNKNOWN,
+        "the probe overran its deadline (a hung tool or filesystem); it is not restarted while it runs",
+        "see the agent log for the probe; check the host command or mount it was using",
+    ),
+    Reason(
+        PROBE_ERROR,
+        Status.UNKNOWN,
+        "the probe raised an exception; the message names it",
+        "see the agent log (logging.level: debug shows the traceback) and report it",
+    ),
+    Reason(
+        HBM_BELOW_REQUEST,
+        Status.FAIL,
+        "/ready?min_hbm_free_mib=N: a considered device has less free device memory than the job asked for",
+        "another process holds device memory: see the device's holders (npu.holders, gpu.holders), or ask for less",
+    ),
+)
 
 CONDITION_TYPES = {
     "npu": "NPUHealthy",

@@ -80,6 +80,13 @@ def category_of(check: str, override: str | None = None) -> str:
 # Key in Finding.observed under which device probes report free HBM / framebuffer per chip, so that
 # /ready?min_hbm_free_mib=N can be answered from cached results without knowing the probe.
 OBSERVED_HBM_FREE_MIB = "hbm_free_mib"
+# Other names a device finding's device is known by (GPU UUID, MIG device UUIDs), so /ready?devices= takes
+# what NVIDIA_VISIBLE_DEVICES holds under the device plugin's uuid strategy: a list of strings.
+OBSERVED_DEVICE_IDS = "device_ids"
+# host.memory reports MemAvailable (subject "") and free hugepages (subject "hugepages") under these keys, so
+# /ready?min_host_mem_mib=N and min_hugepages=N are answered from cached results.
+OBSERVED_HOST_MEM_AVAILABLE_MIB = "available_mib"
+OBSERVED_HUGEPAGES_FREE = "hugepages_free"
 
 
 # --- findings ---------------------------------------------------------------------------------------
