@@ -120,6 +120,9 @@ class Config(Section):
     """The agent's own sections; `config_model()` adds one section per probe family (host, npu, storage...)."""
 
     node_name: str = ""  # empty: $NODE_NAME, else the hostname
+    # Findings, /status, events and conditions name a process by PID, executable and pod; its full command
+    # line (which may hold another tenant's secrets) only when this is false.
+    redact_cmdlines: bool = True
     http: HttpConfig = HttpConfig()
     logging: LoggingConfig = LoggingConfig()
     health: HealthConfig = HealthConfig()
@@ -139,7 +142,7 @@ class Config(Section):
 
 
 # Sections printed before the families in `config --defaults`; kubernetes comes last.
-_LEADING_SECTIONS = ("node_name", "http", "logging", "health", "probes")
+_LEADING_SECTIONS = ("node_name", "redact_cmdlines", "http", "logging", "health", "probes")
 
 
 @functools.cache

@@ -191,7 +191,9 @@ class Agent:
         if (config.http.address, config.http.port) != (self.config.http.address, self.config.http.port):
             log.warning("http.address/http.port changed: takes effect at the next restart")
         if config.section(HostConfig) != self.config.section(HostConfig):
-            self.host = Host.from_config(config.section(HostConfig), children=self.host.children)
+            self.host = Host.from_config(
+                config.section(HostConfig), children=self.host.children, devices=self.host.devices
+            )
         self.config = config
         configure_logging(config.logging.format, config.logging.level)
         self.scheduler.reconfigure(config, self.host)

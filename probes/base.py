@@ -354,6 +354,9 @@ class ProbeContext:
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self.node_name = node_name or getattr(config, "resolved_node_name", "") or ""
+        # Other tenants' command lines can hold secrets: processes are named by PID, executable and pod
+        # unless the operator opts in (config: redact_cmdlines: false).
+        self.redact_cmdlines = bool(getattr(config, "redact_cmdlines", True))
 
     def remaining(self, floor: float = 0.05) -> float:
         """Seconds left before the deadline (never below `floor`, so a last call still gets a chance)."""

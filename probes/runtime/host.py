@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from probes.runtime.inventory import DeviceInventory
+
 log = logging.getLogger(__name__)
 
 
@@ -278,16 +280,21 @@ class Host:
         dev: str | Path = "/dev",
         root: str | Path = "/",
         children: ChildCalls | None = None,
+        devices: DeviceInventory | None = None,
     ) -> None:
         self.proc = Path(proc)
         self.sys = Path(sys)
         self.dev = Path(dev)
         self.root = Path(root)
         self.children = children or ChildCalls()
+        # Bus-Id → accelerator, published by the npu and gpu probes and read by pcie; kept across reloads.
+        self.devices = devices if devices is not None else DeviceInventory()
 
     @classmethod
-    def from_config(cls, paths: Any, children: ChildCalls | None = None) -> Host:
-        return cls(paths.proc, paths.sys, paths.dev, paths.root, children=children)
+    def from_config(
+        cls, paths: Any, children: ChildCalls | None = None, devices: DeviceInventory | None = None
+    ) -> Host:
+        return cls(paths.proc, paths.sys, paths.dev, paths.root, children=children, devices=devices)
 
     def proc_path(self, *parts: str | int) -> Path:
         return self.proc.joinpath(*(str(p) for p in parts))
