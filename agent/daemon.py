@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import resource
 import signal
 import threading
 import time
@@ -25,6 +26,20 @@ log = logging.getLogger(__name__)
 
 CONFIG_POLL_SECONDS = 5.0
 HEALTHZ_TICK_AGE = 10.0
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit: connections from any pod must not leave probes without
+    descriptors for their children. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise RLIMIT_NOFILE from %d to %d: %s", soft, target, exc)
+    return soft
 
 
 def build_state(config: Config, one_shot: bool = False) -> HealthState:
@@ -214,6 +229,7 @@ class Agent:
 
 
 def run_daemon(config_path: str | None, config: Config, no_kube: bool) -> int:
+    raise_fd_limit()
     agent = Agent(config_path, config, no_kube=no_kube)
     agent.install_signal_handlers()
     try:

@@ -92,6 +92,8 @@ class CheckState:
     pending: str = ""  # e.g. "fail 1/2": a transition waiting for its threshold
     expires_mono: float = math.inf  # monotonic time after which this result is stale
     stale_limit: float = math.inf
+    # A fail that stands although the latest run could not verify it (probe error, timeout, failed scan).
+    unverified: str = ""
 
     def aged(self, now_mono: float) -> CheckState:
         """This state as it stands at `now_mono`: stale once past its expiry."""
@@ -109,6 +111,8 @@ class CheckState:
             out["stale"] = True
         if self.pending:
             out["pending"] = self.pending
+        if self.unverified:
+            out["unverified"] = self.unverified
         return out
 
 
@@ -303,6 +307,7 @@ class _Entry:
     fail_streak: int = 0
     pass_streak: int = 0
     pending: str = ""
+    unverified: str = ""  # set while a fail stands on unknown evidence: the unknown result's reason and message
 
 
 @dataclass
@@ -424,9 +429,19 @@ class HealthState:
             for finding in findings:
                 fresh_keys.add(finding.key)
                 self._apply(probe, finding, now, mono)
+            # A check the run could not fully judge (an unknown among its findings) keeps its failing subjects:
+            # a holder scan that failed must not make an out-of-band holder disappear.
+            unverified_checks = {f.check: f for f in findings if f.status == Status.UNKNOWN}
             for key, entry in list(self._entries.items()):
-                if entry.probe == probe and key not in fresh_keys:
-                    del self._entries[key]
+                if entry.probe != probe or key in fresh_keys:
+                    continue
+                why = unverified_checks.get(key[0])
+                if why is not None and entry.effective.status == Status.FAIL:
+                    entry.pass_streak = 0
+                    entry.unverified = f"{why.reason}: {why.message}"
+                    entry.observed_at, entry.observed_mono = now, mono
+                    continue
+                del self._entries[key]
             for check in book.spec.checks:
                 if not any(key[0] == check for key in self._entries):
                     self._entries[(check, "")] = self._placeholder(check, probe)
@@ -472,9 +487,18 @@ class HealthState:
         entry.observed_at, entry.observed_mono = now, mono
 
     def _hysteresis(self, entry: _Entry, raw: Finding, now: float) -> None:
+        """Fail closed: an established fail leaves only on `recovery_threshold` consecutive passing results; an
+        unknown result (probe error, timeout, a scan that failed) never replaces it — the fail stands, marked
+        unverified — and breaks a recovery streak. Entering fail from ok, warn or unknown takes
+        `fail_threshold` consecutive failing results (unknown ones in between neither count nor reset)."""
         current = entry.effective.status
         entry.pending = ""
-        if raw.status == Status.FAIL and current in (Status.OK, Status.WARN):
+        if raw.status == Status.UNKNOWN and current == Status.FAIL:
+            entry.pass_streak = 0
+            entry.unverified = f"{raw.reason}: {raw.message}"
+            return
+        entry.unverified = ""
+        if raw.status == Status.FAIL and current != Status.FAIL:
             entry.fail_streak += 1
             entry.pass_streak = 0
             if entry.fail_streak < self.fail_threshold:
@@ -486,7 +510,13 @@ class HealthState:
             if entry.pass_streak < self.recovery_threshold:
                 entry.pending = f"{raw.status.value} {entry.pass_streak}/{self.recovery_threshold}"
                 return
-        entry.fail_streak = entry.pass_streak = 0
+        elif raw.status == Status.UNKNOWN:
+            if entry.fail_streak:
+                entry.pending = f"fail {entry.fail_streak}/{self.fail_threshold}"
+        else:
+            entry.fail_streak = 0
+        if raw.status != Status.UNKNOWN:
+            entry.fail_streak = entry.pass_streak = 0
         previous = entry.effective
         entry.effective = raw
         if raw.status != previous.status:
@@ -542,7 +572,15 @@ class HealthState:
                 limit = self.stale_after_intervals * book.spec.interval + book.spec.timeout
                 expires = entry.observed_mono + limit
             state = CheckState(
-                entry.effective, entry.probe, entry.observed_at, entry.since, False, entry.pending, expires, limit
+                entry.effective,
+                entry.probe,
+                entry.observed_at,
+                entry.since,
+                False,
+                entry.pending,
+                expires,
+                limit,
+                entry.unverified,
             )
             states.append(state.aged(mono))
         samples: list[Sample] = []
