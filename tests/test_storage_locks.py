@@ -16,20 +16,21 @@ from support.fusefs import fuse_mount
 from support.system import fuse_capable, require_root, wait_reaped
 
 from agent.config import parse_config
+from agent.scheduler import execute
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.runtime.host import ChildCalls, Host
-from probes.storage.legacy import (
-    LocksProbe,
-    MountEntry,
+from probes.storage.lockfiles import (
     is_soft_lock_record,
-    list_lock_files_in_child,
     lock_style,
-    mount_containing,
-    parse_mountinfo,
     parse_proc_locks,
+    remove_container_lock_in_child,
     remove_lock_if_unchanged,
     split_glob,
 )
+from probes.storage.locks import LocksProbe
+from probes.storage.lockwalk import WalkPlan, glob_parts, walk_in_child
+from probes.storage.mounttable import MountEntry, mount_containing, parse_mountinfo
+from probes.storage.waiters import lock_waiter_candidates
 
 
 def read_host_mounts() -> list[MountEntry]:
@@ -99,7 +100,9 @@ def counter(samples: list[Sample], glob: str) -> float:
     (value,) = [
         s.value
         for s in samples
-        if s.name == "nodehealth_storage_stale_locks_removed_total" and s.labels["glob"] == glob
+        if s.name == "nodehealth_storage_stale_locks_removed_total"
+        and s.labels["glob"] == glob
+        and s.labels["scope"] == "host"
     ]
     return value
 
@@ -140,7 +143,11 @@ def test_killed_baton_holder_leaves_a_stale_lock_live_holders_never_reported(tmp
         assert hub_finding.observed["flock_locked"] == 1
         assert hub_finding.observed["flock_unlocked"] == 1
         assert dead.path.exists() and soft_dead.path.exists()  # nothing removed unless asked
-        stale_gauge = {s.labels["glob"]: s.value for s in samples if s.name == "nodehealth_storage_stale_locks"}
+        stale_gauge = {
+            s.labels["glob"]: s.value
+            for s in samples
+            if s.name == "nodehealth_storage_stale_locks" and s.labels["scope"] == "host"
+        }
         assert stale_gauge == {baton_glob: 1, flock_glob: 1}
         assert counter(samples, baton_glob) == 0
 
@@ -196,7 +203,10 @@ def test_stale_lock_on_a_shared_filesystem_only_warns_and_is_never_removed(tmp_p
 
 
 @pytest.mark.system
-def test_symlinked_lock_is_never_followed_nor_deleted(tmp_path: Path) -> None:
+def test_symlinked_lock_or_directory_is_never_followed_judged_nor_deleted(tmp_path: Path) -> None:
+    """A lock that is a symlink is ignored; a symlinked directory on the glob's way is skipped, the same way
+    every run: a stale-looking lock below it never taints the node (anyone who can write the lock directory
+    could point it anywhere)."""
     require_root()
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -207,24 +217,22 @@ def test_symlinked_lock_is_never_followed_nor_deleted(tmp_path: Path) -> None:
     link.parent.mkdir(parents=True)
     link.symlink_to(precious)
     age(link)
-    # A directory on the way swapped for a symlink: the lock below it is real and stale, but the agent
-    # must not delete through the link.
     (outside / "ext2").mkdir()
     real_lock = outside / "ext2" / "lock"
     real_lock.touch()
     age(real_lock)
     (tmp_path / "torch_extensions" / "py311_cu121").symlink_to(outside)
     glob = f"{tmp_path}/torch_extensions/*/*/lock"
-    findings, samples = run_locks([glob], remove=True)
-    finding = findings[glob]
-    assert finding.observed["not_regular"] == 1
-    assert precious.read_text() == "keep me" and link.is_symlink()
-    assert real_lock.exists()
-    assert (finding.status, finding.reason) == (Status.FAIL, "StaleFileBaton"), finding
-    (kept,) = finding.observed["stale_local"]
-    assert kept["path"] == f"{tmp_path}/torch_extensions/py311_cu121/ext2/lock"
-    assert kept["not_removed"].startswith("refused: py311_cu121 is a symlink")
-    assert counter(samples, glob) == 0
+    probe = LocksProbe()
+    for _ in range(3):
+        findings, samples = run_locks([glob], remove=True, probe=probe)
+        finding = findings[glob]
+        assert (finding.status, finding.reason) == (Status.OK, "OK"), finding
+        assert finding.observed["not_regular"] == 1 and finding.observed["symlinked_dirs"] == 1
+        assert finding.observed["stale_local"] == [] and finding.observed["removed"] == []
+        assert precious.read_text() == "keep me" and link.is_symlink()
+        assert real_lock.exists()
+        assert counter(samples, glob) == 0
 
 
 def test_lock_swapped_for_a_symlink_between_check_and_delete_is_not_deleted(tmp_path: Path) -> None:
@@ -236,8 +244,9 @@ def test_lock_swapped_for_a_symlink_between_check_and_delete_is_not_deleted(tmp_
     precious = tmp_path / "precious"
     precious.write_text("keep me")
     # Check phase: what the probe saw.
-    listing = list_lock_files_in_child(str(root), "*/*/lock", ["lock"])
-    ((rel, _mode, dev, ino, _size, _mtime, mtime_ns, _head),) = listing["files"]
+    plan = WalkPlan(str(root), (tuple(glob_parts("*/*/lock")),), ("lock",), 1000, 10.0)
+    ((rel, _mode, dev, ino, _size, _mtime, mtime_ns, style),) = walk_in_child(plan)["globs"][0]["files"]
+    assert style == "baton"
     # Swap: the lock becomes a symlink to a file outside the root.
     swapped = lock.with_name("lock.tmp")
     swapped.symlink_to(precious)
@@ -383,9 +392,55 @@ def test_a_process_waiting_on_a_stale_baton_is_named(tmp_path: Path) -> None:
             findings, _ = run_locks([baton_glob])
         assert findings[baton_glob].reason == "StaleFileBaton"
         waiting = findings[f"{baton_glob} waiters"]
-        assert (waiting.status, waiting.reason) == (Status.FAIL, "ProcessWaitingOnFileBaton")
+        assert (waiting.status, waiting.reason) == (Status.FAIL, "ProcessWaitingOnFileBaton"), waiting
         assert waiting.observed["waiters"][0]["pid"] == waiter.pid
         assert waiting.observed["waiters"][0]["lock"] == str(lock)
         assert f"pid {waiter.pid}" in waiting.message and str(lock) in waiting.hint
     findings, _ = run_locks([baton_glob])
     assert f"{baton_glob} waiters" not in findings  # the waiter is gone: so is the finding
+
+
+def test_locks_probe_skips_only_when_both_glob_lists_are_empty() -> None:
+    empty = parse_config({"storage": {"lock_globs": [], "container_lock_globs": []}})
+    result, findings, _ = execute(LocksProbe(), Host(), empty, 5.0)
+    assert result == "skip" and [(f.status, f.reason) for f in findings] == [(Status.SKIP, "NotApplicable")]
+    containers_only = parse_config({"storage": {"lock_globs": []}})
+    assert LocksProbe().applicable(ProbeContext(Host(), containers_only, 5.0)) is None
+
+
+def test_a_container_lock_is_not_removed_once_its_process_left_the_namespace(tmp_path: Path) -> None:
+    """The pid a container is reached through may exit and be reused: the removal checks it first."""
+    own = os.readlink("/proc/self/ns/mnt")
+    gone = remove_container_lock_in_child("/proc", os.getpid(), "mnt:[1]", "tmp/lock", 0, 0, 0)
+    assert gone == f"refused: pid {os.getpid()} is no longer in mnt:[1]"
+    lock = tmp_path / "lock"
+    lock.touch()
+    st = lock.stat()
+    rel = str(lock).lstrip("/")
+    assert remove_container_lock_in_child("/proc", os.getpid(), own, rel, st.st_dev, st.st_ino, st.st_mtime_ns) == (
+        "removed"
+    )
+    assert not lock.exists()
+
+
+def test_waiter_candidates_are_sleeping_python_processes_never_zombies() -> None:
+    script = "import time; print('ready', flush=True); time.sleep(60)"
+    sleeping = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert sleeping.stdout is not None and sleeping.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{exited.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.02)
+        for _ in range(50):  # between two checks the sleeper may be on CPU for a moment
+            candidates = lock_waiter_candidates(Path("/proc"), 100_000)
+            if sleeping.pid in candidates:
+                break
+            time.sleep(0.02)
+        assert sleeping.pid in candidates
+        assert exited.pid not in candidates  # a zombie (still named python) polls nothing
+    finally:
+        sleeping.kill()
+        sleeping.wait()
+        exited.wait()

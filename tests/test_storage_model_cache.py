@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from support.fusefs import fuse_mount
-from support.system import fuse_capable, wait_reaped
+from support.system import fuse_capable, require_root, wait_reaped
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status
 from probes.runtime.host import ChildCalls, Host
-from probes.storage.legacy import ModelCacheProbe, hub_repo_folder
+from probes.storage.model_cache import ModelCacheProbe, hub_repo_folder
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "org/model-7b"
@@ -137,3 +138,37 @@ def test_cache_on_a_hung_filesystem(tmp_path: Path) -> None:
         assert time.monotonic() - started < 1.5
     assert (finding.status, finding.reason) == (Status.FAIL, "MountHung")
     assert wait_reaped(host.children) == {}
+
+
+def run_cache_under_share(cache: Path, share: Path, fstype: str) -> Finding:
+    spec = {"cache_dir": str(cache), "repo_id": REPO}
+    config = parse_config({"storage": {"model_caches": [spec], "mounts": [{"path": str(share), "fstype": fstype}]}})
+    (finding,) = [f for f in ModelCacheProbe().run(ProbeContext(Host(), config, 15.0)) if isinstance(f, Finding)]
+    return finding
+
+
+def test_cache_under_an_unmounted_share_says_mount_it_not_download(tmp_path: Path) -> None:
+    share = tmp_path / "share"
+    (share / "hf").mkdir(parents=True)  # the empty mount point a job would download into
+    finding = run_cache_under_share(share / "hf", share, "nfs4")
+    assert (finding.status, finding.reason) == (Status.FAIL, "ModelCacheMountMissing"), finding
+    assert f"lies under {share}" in finding.message and "is not mounted (expected nfs4)" in finding.message
+    assert f"mount {share}" in finding.hint and "huggingface-cli download" not in finding.hint
+    assert finding.observed["mount"] == str(share)
+
+
+@pytest.mark.system
+def test_cache_under_a_share_of_the_wrong_type_and_under_the_right_one(tmp_path: Path) -> None:
+    require_root()
+    share = tmp_path / "share"
+    share.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "nh-share", str(share)], check=True)
+    try:
+        build_cache(share / "hf", sharded_files())
+        wrong = run_cache_under_share(share / "hf", share, "nfs*")
+        right = run_cache_under_share(share / "hf", share, "tmpfs")
+    finally:
+        subprocess.run(["umount", "-l", str(share)], check=False)
+    assert (wrong.status, wrong.reason) == (Status.FAIL, "ModelCacheMountMissing"), wrong
+    assert "type tmpfs, expected nfs*" in wrong.message
+    assert right.status == Status.OK, right

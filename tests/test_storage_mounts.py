@@ -18,7 +18,8 @@ from agent.scheduler import execute
 from agent.state import PARSE_ERROR
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.runtime.host import ChildCalls, Host
-from probes.storage.legacy import MountsProbe, mount_at, mount_containing, parse_mountinfo
+from probes.storage.mounts import MountsProbe
+from probes.storage.mounttable import mount_at, mount_containing, parse_mountinfo
 
 
 def run_mounts(host: Host, mounts: list[dict], timeout: float = 1.0, probe: MountsProbe | None = None):
@@ -255,6 +256,8 @@ def test_storage_config_rejects_duplicates_and_relative_globs() -> None:
         parse_config({"storage": {"write_probes": [{"path": "/mnt/a"}, {"path": "/mnt/a", "uid": 5}]}})
     with pytest.raises(ConfigError, match="absolute"):
         parse_config({"storage": {"lock_globs": ["torch_extensions/*/*/lock"]}})
+    with pytest.raises(ConfigError, match=r"container_lock_globs.*absolute"):
+        parse_config({"storage": {"container_lock_globs": ["tmp/torch_extensions/*/*/lock"]}})
     design = parse_config(
         {
             "storage": {

@@ -18,7 +18,8 @@ from support.system import fuse_capable, require_root
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status
 from probes.runtime.host import Host
-from probes.storage.legacy import WriteProbe, write_finding, write_probe_file_name
+from probes.storage.config import WriteProbeSpec
+from probes.storage.write import WriteProbe, write_finding, write_probe_file_name
 
 JOB_UID, JOB_GID = 4321, 4322
 
@@ -156,7 +157,7 @@ def test_root_ignores_what_the_job_cannot_do(tmp_path: Path) -> None:
 def test_classification_of_outcomes() -> None:
     def classify(number: int | None, stage: str = "write", st: dict | None = None) -> Finding:
         outcome = {"stage": stage, "errno": number, "error": "", "statvfs": st}
-        return write_finding("/mnt/x", 1000, 1000, 10, outcome, 0.01)
+        return write_finding(WriteProbeSpec(path="/mnt/x", uid=1000, gid=1000, bytes=10), outcome, 0.01)
 
     assert classify(None, "done").reason == "OK"
     assert classify(errno.EDQUOT, "close").reason == "DiskQuotaExceeded"

@@ -296,13 +296,13 @@ def _classify(threads: list[ThreadStack]) -> tuple[str, str, str | None]:
                     lock,
                 )
     for thread in threads:
-        index = _lock_wait_frame(thread.frames)
-        if index is not None:
-            lock = _lock_path_from(thread.frames, index)
+        wait_index = _lock_wait_frame(thread.frames)
+        if wait_index is not None:
+            lock = _lock_path_from(thread.frames, wait_index)
             where = f"on {lock}" if lock else "(lock path not visible in the frames)"
             return (
                 LOCK_WAIT,
-                f"{thread.label} waits for a lock file {where} in {thread.frames[index].where()}",
+                f"{thread.label} waits for a lock file {where} in {thread.frames[wait_index].where()}",
                 lock,
             )
     if all(not t.active for t in threads):
@@ -364,15 +364,28 @@ def _py_spy_error(stderr: str, stdout: str) -> str:
     return text.splitlines()[0] if text else "no output"
 
 
-def diagnose(pid: int, timeout: float, py_spy: str = "py-spy", proc: str | Path = "/proc") -> Diagnosis:
-    """Dump `pid` with py-spy (bounded by `timeout`) and classify it. Errors come back in Diagnosis.error."""
-    argv = [py_spy, "dump", "--json", "--locals", "--pid", str(pid)]
+PY_SPY_NOT_FOUND = "py-spy not found"
+
+
+def py_spy_argv(py_spy: str | Sequence[str], pid: int) -> list[str]:
+    """The dump command: `py_spy` is the binary or an argv prefix, every element kept
+    (`[nsenter, -t, 1, -m, --, py-spy]` runs the host's py-spy)."""
+    prefix = [py_spy] if isinstance(py_spy, str) else list(py_spy)
+    return [*(prefix or ["py-spy"]), "dump", "--json", "--locals", "--pid", str(pid)]
+
+
+def diagnose(pid: int, timeout: float, py_spy: str | Sequence[str] = "py-spy", proc: str | Path = "/proc") -> Diagnosis:
+    """Dump `pid` with py-spy (bounded by `timeout`) and classify it. Errors come back in Diagnosis.error;
+    a py-spy that cannot be found (nor run by its wrapper: exit 127) says PY_SPY_NOT_FOUND there."""
+    argv = py_spy_argv(py_spy, pid)
+    shown = " ".join(argv[: len(argv) - 5])
     proc_path = Path(proc)
     if not (proc_path / str(pid)).exists():
         return Diagnosis(pid, "error", f"no process {pid}", error=f"no process {pid}", command=argv)
     result = run_command(argv, timeout)
     if result.not_found:
-        return Diagnosis(pid, "error", f"{py_spy} not found", error=f"{py_spy} not found on PATH", command=argv)
+        message = f"{PY_SPY_NOT_FOUND}: {shown} ({_py_spy_error(result.stderr, result.stdout)})"
+        return Diagnosis(pid, "error", message, error=message, command=argv)
     if result.timed_out:
         message = f"py-spy did not answer within {timeout:g}s"
         return Diagnosis(pid, "error", message, error=message, command=argv)
@@ -403,7 +416,9 @@ def diagnose(pid: int, timeout: float, py_spy: str = "py-spy", proc: str | Path 
     return Diagnosis(pid, kind, detail, lock_path=lock, threads=with_kernel, command=argv)
 
 
-def waiting_on_lock(pid: int, timeout: float, py_spy: str = "py-spy", proc: str | Path = "/proc") -> str | None:
+def waiting_on_lock(
+    pid: int, timeout: float, py_spy: str | Sequence[str] = "py-spy", proc: str | Path = "/proc"
+) -> str | None:
     """For storage.locks: the lock path `pid` waits on; "" when it waits on a lock whose path the frames do
     not show; None when it is not waiting on a lock file (or could not be dumped)."""
     diagnosis = diagnose(pid, timeout, py_spy=py_spy, proc=proc)

@@ -65,6 +65,8 @@ class StorageConfig(Section):
     # While stale locks exist: py-spy up to this many sleeping Python processes to find those waiting on
     # them (ProcessWaitingOnFileBaton); 0 turns it off. py-spy pauses each process for a moment.
     lock_waiter_max_processes: int = Field(8, ge=0)
+    # The py-spy command, every element kept: ["nsenter", "-t", "1", "-m", "--", "py-spy"] runs the host's
+    # ([]: plain py-spy).
     py_spy_command: list[str] = ["py-spy"]
     # Filesystem types (fnmatch) where a lock holder may sit on another node: stale locks only warn there.
     shared_fstypes: list[str] = [
@@ -86,6 +88,22 @@ class StorageConfig(Section):
         "wekafs",
     ]
     locks_timeout_seconds: PositiveSeconds = 5.0
+    # Lock files inside containers' own filesystems, as each container sees them: walked through
+    # /proc/<pid>/root once per mount namespace other than the host's. Empty: containers are not looked at.
+    container_lock_globs: list[str] = [
+        "/root/.cache/torch_extensions/*/*/lock",
+        "/home/*/.cache/torch_extensions/*/*/lock",
+        "/tmp/torch_extensions/*/*/lock",
+        "/root/.cache/huggingface/hub/.locks/*/*.lock",
+        "/home/*/.cache/huggingface/hub/.locks/*/*.lock",
+        "/root/.cache/modelscope/hub/.lock/*",
+        "/home/*/.cache/modelscope/hub/.lock/*",
+    ]
+    # At most this many containers' mount namespaces are walked per run (the rest: LockScanIncomplete).
+    container_lock_max_namespaces: int = Field(64, ge=0)
+    # Directory entries one walk (one host glob, or one container's globs) may look at before it stops
+    # (LockScanIncomplete): a lock root with 400k directories must not look like a hung mount.
+    lock_walk_max_entries: int = Field(100_000, ge=1)
     model_caches: list[ModelCacheSpec] = []
     model_cache_timeout_seconds: PositiveSeconds = 10.0
 
@@ -101,7 +119,8 @@ class StorageConfig(Section):
                 if normal in seen:
                     raise ValueError(f"{key}: path {path} is listed twice")
                 seen.add(normal)
-        for glob_pattern in self.lock_globs:
-            if not glob_pattern.startswith("/"):
-                raise ValueError(f"lock_globs: {glob_pattern!r} must be an absolute path")
+        for key, patterns in (("lock_globs", self.lock_globs), ("container_lock_globs", self.container_lock_globs)):
+            for glob_pattern in patterns:
+                if not glob_pattern.startswith("/"):
+                    raise ValueError(f"{key}: {glob_pattern!r} must be an absolute path")
         return self

@@ -11,6 +11,7 @@ Faults, all chosen on the command line:
   --create-errno E                                      fail creating files
   --getattr-errno E                                     fail every stat, the mount point's included (ESTALE)
   --hang-getattr                                        never answer any stat or lookup
+  --delay-ms N                                          answer every stat, lookup and listing N ms late
   --files N --ffree N                                   inode counts statfs reports
 """
 
@@ -78,6 +79,8 @@ class MemoryFs:
     def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
         if self.args.hang_getattr:
             self.forever.wait()
+        if self.args.delay_ms:
+            time.sleep(self.args.delay_ms / 1000)
         self._fail("getattr_errno")
         with self.mutex:
             node = self.nodes.get(path)
@@ -89,6 +92,8 @@ class MemoryFs:
             return out
 
     def readdir(self, path: str, fh: int) -> list[str]:
+        if self.args.delay_ms:
+            time.sleep(self.args.delay_ms / 1000)
         prefix = path.rstrip("/") + "/"
         with self.mutex:
             names = [p[len(prefix) :] for p in self.nodes if p != path and p.startswith(prefix)]
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("write", "fsync", "flush", "create", "getattr"):
         parser.add_argument(f"--{name}-errno", metavar="ENAME")
     parser.add_argument("--hang-getattr", action="store_true")
+    parser.add_argument("--delay-ms", type=int, default=0)
     parser.add_argument("--files", type=int, default=0)
     parser.add_argument("--ffree", type=int)
     args = parser.parse_args(argv)
@@ -224,7 +230,7 @@ class FuseMount:
 
 def mounted_at(path: Path) -> dict[str, str] | None:
     """fstype and source of the mount at `path`, from our own mount table (never touching the mount)."""
-    from probes.storage.legacy import mount_at, parse_mountinfo
+    from probes.storage.mounttable import mount_at, parse_mountinfo
 
     entry = mount_at(parse_mountinfo(Path("/proc/self/mountinfo").read_text()), str(path))
     return {"fstype": entry.fstype, "source": entry.source} if entry else None

@@ -1,0 +1,181 @@
+"""What the storage probes share: the reasons of a filesystem call that hung or failed, child calls run side
+by side within the probe's deadline, and small helpers (errno labels, path normalisation, safe text).
+
+Every call that touches a possibly shared filesystem runs in a forked child with a deadline
+(`ctx.host.child_call`, at most one child in flight per key). The functions named `*_in_child` run
+there: only `os` and pure Python, no logging, no imports.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from probes.base import Check, Finding, ProbeContext, Reason, Status
+from probes.runtime.host import ChildResult
+
+HINT_FULL = "clean caches and old checkpoints (du -xsh PATH/* | sort -h), or grow the disk"
+HINT_INODES = "millions of small files: remove extracted datasets or caches with many files, or grow the inode table"
+HINT_REMOUNT = "the server forgot the handle (export moved, failover): remount the filesystem"
+
+MOUNT_HUNG = Reason(
+    "MountHung",
+    Status.FAIL,
+    "the filesystem did not answer within the deadline, or the previous check's child is still stuck",
+    "the filesystem is hung (NFS server unreachable?): check `mount | grep PATH` and the server; a hard mount "
+    "blocks every job touching it until it is remounted",
+)
+MOUNT_STALE = Reason("MountStale", Status.FAIL, "stale file handle (ESTALE, errno 116)", HINT_REMOUNT)
+PATH_MISSING = Reason(
+    "PathMissing",
+    Status.FAIL,
+    "a configured path does not exist (ENOENT)",
+    "create the path or fix the config; a missing shared disk shows up like this",
+)
+STAT_FAILED = Reason(
+    "StatFailed",
+    Status.UNKNOWN,
+    "a filesystem call on the path failed with an unexpected error (the message names the errno)",
+    "check the path's permissions and the agent log; the agent needs to run privileged",
+)
+DEADLINE_EXHAUSTED = Reason(
+    "DeadlineExhausted",
+    Status.UNKNOWN,
+    "the probe's deadline ran out before this item could be checked",
+    "raise the probe's timeout (probes.<name>.timeout_seconds) or check fewer items per probe",
+)
+DISK_FULL = Reason(
+    "DiskFull",
+    Status.FAIL,
+    "no space left: blocks used at or above fail_percent (storage.space), or ENOSPC writing with inodes left "
+    "(storage.write)",
+    HINT_FULL,
+)
+INODES_EXHAUSTED = Reason(
+    "InodesExhausted",
+    Status.FAIL,
+    "no inodes left (statvfs f_favail == 0, or at or above fail_inodes_percent): writes fail with ENOSPC "
+    "although blocks are free",
+    HINT_INODES,
+)
+# Every probe that runs filesystem calls in children can say these.
+CHILD_REASONS: tuple[Reason, ...] = (MOUNT_HUNG, MOUNT_STALE, PATH_MISSING, STAT_FAILED, DEADLINE_EXHAUSTED)
+
+
+def child_error_finding(
+    check: Check, subject: str, result: ChildResult, extra: Mapping[str, Any] | None = None
+) -> Finding:
+    """A filesystem call that did not answer or failed, in the vocabulary shared by the storage checks."""
+    observed: dict[str, Any] = {"duration_seconds": round(result.duration, 3), **(extra or {})}
+    shown = safe_text(subject)
+    if result.state == "deadline":
+        return check.report(DEADLINE_EXHAUSTED, subject, f"{shown}: not checked, {result.error}", observed)
+    if result.hung:
+        return check.report(MOUNT_HUNG, subject, f"{shown} did not answer: {result.error}", observed)
+    observed["errno"] = result.errno
+    if result.errno == errno.ESTALE:
+        return check.report(MOUNT_STALE, subject, f"{shown}: stale file handle (ESTALE, errno 116)", observed)
+    if result.errno == errno.ENOENT:
+        return check.report(PATH_MISSING, subject, f"{shown} does not exist", observed)
+    return check.report(STAT_FAILED, subject, f"{shown}: {result.error}", observed)
+
+
+# --- child calls within the probe's deadline -------------------------------------------------------
+
+# Threads only wait on pipes; the children do the filesystem work. Enough of them that every item of a
+# probe gets its own deadline at once (20 hung mounts cost one mount timeout, not 20), bounded so that a
+# misconfigured list cannot fork hundreds of children at once.
+MAX_PARALLEL_CHILDREN = 64
+# A child given less time than this would only ever "time out": such an item is reported DeadlineExhausted.
+MIN_CHILD_SECONDS = 0.05
+# Children are forked one at a time (ChildCalls holds a lock around fork), each deadline counting from its
+# own fork: the last of N starts about N forks late. A fork of the agent takes a few milliseconds.
+FORK_SECONDS = 0.01
+# A child that did not answer is killed and given this long to be reaped before the call returns.
+KILL_SECONDS = 0.05
+
+
+def reserve_seconds(ctx: ProbeContext, children: int = 1) -> float:
+    """Time kept back from `children` side-by-side children, for their forks, their reaping and building the
+    findings, so that the probe returns before its deadline."""
+    return min(1.0, max(0.2, 0.1 * ctx.timeout)) + KILL_SECONDS + FORK_SECONDS * children
+
+
+def item_timeout(ctx: ProbeContext, configured: float, reserve: float | None = None) -> float:
+    """A per-item deadline clamped to what the probe run has left (minus the reserve); may be <= 0."""
+    held_back = reserve_seconds(ctx) if reserve is None else reserve
+    return min(configured, ctx.remaining(0.0) - held_back)
+
+
+@dataclass(frozen=True)
+class ChildCall:
+    key: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    timeout: float  # the per-item limit; each call is also clamped to the probe's deadline
+
+
+def run_child_call(ctx: ProbeContext, call: ChildCall, reserve: float | None = None) -> ChildResult:
+    held_back = reserve_seconds(ctx) if reserve is None else reserve
+    timeout = item_timeout(ctx, call.timeout, held_back)
+    if timeout < MIN_CHILD_SECONDS:
+        return ChildResult("deadline", error="the probe's deadline ran out before this check could start")
+    # The deadline also caps the wait from the child's fork, which may come late behind other items' forks.
+    deadline = ctx.deadline - held_back
+    return ctx.host.child_call(call.key, call.fn, *call.args, timeout=timeout, deadline=deadline)
+
+
+def run_child_calls(ctx: ProbeContext, calls: Sequence[ChildCall], reserve: float | None = None) -> list[ChildResult]:
+    """Run the calls' children side by side, so N hung filesystems cost one deadline, not N.
+
+    Each call's deadline is its own limit clamped to what the probe has left, so a probe deadline shorter
+    than the per-item one still gives one specific finding per item instead of an opaque probe timeout.
+    """
+    if reserve is None:
+        reserve = reserve_seconds(ctx, min(len(calls), MAX_PARALLEL_CHILDREN))
+    if len(calls) <= 1:
+        return [run_child_call(ctx, call, reserve) for call in calls]
+    workers = min(MAX_PARALLEL_CHILDREN, len(calls))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="storage-child") as pool:
+        return list(pool.map(lambda call: run_child_call(ctx, call, reserve), calls))
+
+
+# --- small helpers ---------------------------------------------------------------------------------
+
+
+def errno_label(number: int | None) -> str:
+    """`EDQUOT (errno 122, Disk quota exceeded)`."""
+    if number is None:
+        return "unknown error"
+    name = errno.errorcode.get(number, f"E{number}")
+    return f"{name} (errno {number}, {os.strerror(number)})"
+
+
+def normalize_path(path: str) -> str:
+    return os.path.normpath("/" + path.lstrip("/")) if path else "/"
+
+
+def path_is_under(path: str, top: str) -> bool:
+    """Whether `path` is `top` or below it (both normalised; no filesystem access)."""
+    path, top = normalize_path(path), normalize_path(top)
+    return top == "/" or path == top or path.startswith(top + "/")
+
+
+def safe_text(text: str) -> str:
+    """`text` with control characters (newlines, escapes, line separators, undecodable bytes) escaped, so a
+    file name chosen by anyone who can write a lock directory cannot forge log lines or messages."""
+    if text.isprintable():
+        return text
+    out = []
+    for char in text:
+        if char.isprintable():
+            out.append(char)
+        elif ord(char) < 0x100:
+            out.append(f"\\x{ord(char):02x}")
+        else:
+            out.append(f"\\u{ord(char):04x}")
+    return "".join(out)

@@ -1,0 +1,219 @@
+"""Processes waiting on a stale lock: sleeping Python processes, dumped with py-spy and classified.
+
+Waiters are named by PID, executable name and pod/container; their command lines (other tenants' secrets
+can be in them) only when the operator turned `redact_cmdlines` off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from probes.base import Finding, ProbeContext, Reason, Status
+from probes.runtime.procfs import list_pids, process_info
+from probes.runtime.pyspy import FILEBATON_WAIT, LOCK_WAIT, PY_SPY_NOT_FOUND, diagnose
+from probes.storage.common import MIN_CHILD_SECONDS, safe_text
+from probes.storage.containers import HostNamespace, read_namespace
+from probes.storage.lockfindings import LOCKS
+
+PROCESS_WAITING_ON_FILE_BATON = Reason(
+    "ProcessWaitingOnFileBaton",
+    Status.FAIL,
+    "a process on this node (on the host or in a container) is stuck in FileBaton.wait() (or a lock-file poll) "
+    "on a stale lock; it is named by PID, executable and pod",
+    "remove the stale lock (rm PATH) and the waiting job continues; node-health diagnose PID shows the stack",
+)
+LOCK_WAITER_CHECK_UNAVAILABLE = Reason(
+    "LockWaiterCheckUnavailable",
+    Status.UNKNOWN,
+    "stale locks exist but py-spy (storage.py_spy_command) is not available or may not read the processes, so "
+    "processes waiting on them cannot be named",
+    "install py-spy in the agent's image or point storage.py_spy_command at it (e.g. [nsenter, -t, 1, -m, --, "
+    "py-spy]); the agent needs CAP_SYS_PTRACE",
+)
+
+# Process names of Python jobs as /proc/PID/comm shows them (torch renames its main thread pt_main_thread).
+_PYTHON_COMMS = ("python", "pt_main_thread", "torchrun", "accelerate", "deepspeed")
+# Kernel wait channels of a process sleeping in time.sleep() between checks of the lock.
+_SLEEP_WCHANS = ("hrtimer_nanosleep", "do_nanosleep", "clock_nanosleep", "0", "")
+_DUMP_SECONDS = 3.0
+# States (field 3 of /proc/PID/stat) of a process that polls a lock: sleeping between checks, or checking.
+_POLLING_STATES = ("S", "R")
+# py-spy errors that mean it may not read processes at all (no CAP_SYS_PTRACE), not that one process vanished.
+_DENIED = ("permission denied", "operation not permitted")
+
+
+def _state(stat_text: str) -> str:
+    """The state letter of a /proc/PID/stat line ("" when unreadable); comm may hold ')', so split at the last."""
+    fields = stat_text.rpartition(")")[2].split()
+    return fields[0] if fields else ""
+
+
+@dataclass(frozen=True)
+class StaleLock:
+    """A stale lock a process may wait on, and the subject its waiters are reported under."""
+
+    subject: str  # `<glob> waiters` on the host, `<pod/container>: <path> waiters` in a container
+    path: str  # as its mount namespace sees it
+    namespace: str | None  # the container's mount namespace; None for a host lock
+    remove_hint: str  # what to remove, for the hint
+    inode_key: tuple[int, int]  # (st_dev, st_ino)
+
+
+def read_text_or_empty(path: Any) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def lock_waiter_candidates(proc: Any, limit: int, prefer: Collection[str] = ()) -> list[int]:
+    """Sleeping Python processes that may be polling a lock file (FileBaton.wait sleeps between checks),
+    those in the mount namespaces `prefer` (containers with stale locks) first."""
+    found: list[tuple[bool, int]] = []
+    me = os.getpid()
+    for pid in list_pids(proc):
+        if pid == me:
+            continue
+        comm = read_text_or_empty(os.path.join(proc, str(pid), "comm")).strip()
+        if not comm.startswith(_PYTHON_COMMS):
+            continue
+        if _state(read_text_or_empty(os.path.join(proc, str(pid), "stat"))) not in _POLLING_STATES:
+            continue  # a zombie, a stopped process, or one in uninterruptible I/O polls nothing
+        wchan = read_text_or_empty(os.path.join(proc, str(pid), "wchan")).strip()
+        if wchan not in _SLEEP_WCHANS:
+            continue
+        namespace = None
+        if prefer:
+            try:
+                namespace = os.readlink(os.path.join(proc, str(pid), "ns", "mnt"))
+            except OSError:
+                namespace = None
+        found.append((namespace not in prefer, pid))
+    return [pid for _, pid in sorted(found)[:limit]]
+
+
+def stat_key_in_child(path: str) -> tuple[int, int]:
+    """Runs in a child: (st_dev, st_ino) of the file a path names (as the process whose root it goes through
+    would open it)."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
+
+
+def match_waited_lock(
+    ctx: ProbeContext, pid: int, waited: str, stale: Sequence[StaleLock], reserve: float
+) -> StaleLock | None:
+    """The stale lock process `pid` waits on (`waited`: the path its frames show, "" when they do not).
+
+    A lock of the waiter's own mount namespace (a container's, or the host's for a waiter on the host) is
+    matched by its path; a host lock waited on from a container (a bind mount, another path) only when the
+    waiter's path, opened through its root, is the very file. A waiter whose frames show no path is matched
+    only when its namespace has exactly one stale lock.
+    """
+    namespace = read_namespace(ctx.host, pid)
+    on_host = HostNamespace.of(ctx.host).holds(ctx.host, pid, namespace)
+    own = [lock for lock in stale if (lock.namespace == namespace if lock.namespace else on_host)]
+    if not waited:
+        return own[0] if len(own) == 1 else None
+    for lock in own:
+        if waited == lock.path:
+            return lock
+    host_locks = [lock for lock in stale if lock.namespace is None]
+    if on_host or not host_locks:
+        return None
+    timeout = min(1.0, ctx.remaining(0.0) - reserve)
+    if timeout < MIN_CHILD_SECONDS:
+        return None
+    result = ctx.host.child_call(
+        f"locks-waiter:{pid}", stat_key_in_child, str(ctx.host.proc_path(pid, "root")) + waited, timeout=timeout
+    )
+    return next((lock for lock in host_locks if result.ok and result.value == lock.inode_key), None)
+
+
+def _waiter(ctx: ProbeContext, pid: int, lock: StaleLock) -> dict[str, Any]:
+    info = process_info(ctx.host.proc, pid)
+    entry: dict[str, Any] = {"pid": pid, "exe": info.comm if info else "?", "lock": lock.path}
+    if info is not None and info.cgroup.kind in ("pod", "container"):
+        entry.update({"pod_uid": info.cgroup.pod_uid, "container_id": info.cgroup.container_id})
+        entry["owner"] = info.cgroup.describe()
+    if not ctx.redact_cmdlines and info is not None:
+        entry["command"] = info.command[:200]
+    return entry
+
+
+def _describe(waiter: dict[str, Any]) -> str:
+    parts = [safe_text(waiter["exe"])]
+    if waiter.get("owner"):
+        parts.append(waiter["owner"])
+    if waiter.get("command"):
+        parts.append(safe_text(waiter["command"][:80]))
+    return f"pid {waiter['pid']} ({', '.join(parts)})"
+
+
+def py_spy_missing(command: Sequence[str]) -> str:
+    """Why the configured py-spy cannot run at all ("" when its first element is an executable)."""
+    return "" if shutil.which(command[0]) else f"{PY_SPY_NOT_FOUND}: {command[0]} is not an executable on PATH"
+
+
+def find_waiters(
+    ctx: ProbeContext, command: Sequence[str], limit: int, stale: Sequence[StaleLock], reserve: float
+) -> tuple[dict[str, list[dict[str, Any]]], str]:
+    """Waiters by subject, and why the check could not be done ("" when it could)."""
+    missing = py_spy_missing(command)
+    if missing:
+        return {}, missing
+    prefer = {lock.namespace for lock in stale if lock.namespace}
+    waiters: dict[str, list[dict[str, Any]]] = {}
+    denied: list[str] = []
+    dumped = 0
+    for pid in lock_waiter_candidates(ctx.host.proc, limit, prefer):
+        budget = min(_DUMP_SECONDS, ctx.remaining(0.0) - reserve)
+        if budget < 0.5:
+            break
+        diagnosis = diagnose(pid, budget, py_spy=command, proc=ctx.host.proc)
+        if diagnosis.error:
+            if diagnosis.error.startswith(PY_SPY_NOT_FOUND):
+                return {}, diagnosis.error
+            if any(text in diagnosis.error.lower() for text in _DENIED):
+                denied.append(f"pid {pid}: {diagnosis.error}")
+            continue
+        dumped += 1
+        if diagnosis.kind not in (FILEBATON_WAIT, LOCK_WAIT):
+            continue
+        lock = match_waited_lock(ctx, pid, diagnosis.lock_path or "", stale, reserve)
+        if lock is not None:
+            waiters.setdefault(lock.subject, []).append(_waiter(ctx, pid, lock))
+    if denied and not dumped:
+        return waiters, f"py-spy may not read the processes: {denied[0]}"
+    return waiters, ""
+
+
+def waiter_findings(
+    ctx: ProbeContext, command: Sequence[str], limit: int, stale: Sequence[StaleLock], reserve: float
+) -> list[Finding]:
+    """ProcessWaitingOnFileBaton per stale lock subject with waiters, or LockWaiterCheckUnavailable for
+    every stale lock subject when py-spy cannot be used."""
+    waiters, unavailable = find_waiters(ctx, command, limit, stale, reserve)
+    findings = []
+    if unavailable:
+        for subject in dict.fromkeys(lock.subject for lock in stale):
+            message = f"cannot tell which processes wait on the stale lock(s): {safe_text(unavailable)}"
+            findings.append(
+                LOCKS.report(LOCK_WAITER_CHECK_UNAVAILABLE, subject, message, {"py_spy_command": list(command)})
+            )
+    by_subject = {lock.subject: lock for lock in stale}
+    for subject, found in waiters.items():
+        names = ", ".join(_describe(waiter) for waiter in found[:5])
+        lock = by_subject[subject]
+        message = f"{len(found)} process(es) waiting on stale lock {safe_text(found[0]['lock'])}: {names}"
+        hint = (
+            f"the lock has no holder: remove it ({lock.remove_hint}) and the waiting job continues; "
+            "node-health diagnose PID shows the stack"
+        )
+        observed = {"waiters": found[:20]}
+        findings.append(LOCKS.report(PROCESS_WAITING_ON_FILE_BATON, subject, message, observed, hint=hint))
+    return findings

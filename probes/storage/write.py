@@ -1,0 +1,230 @@
+"""storage.write: write N bytes as the job's uid/gid, fsync, close, unlink → quota, full, inodes, read-only.
+
+Findings use check storage.write, not storage.space as DESIGN's table lists DiskQuotaExceeded: a check
+belongs to one probe (state, freshness, `--only`), and this probe runs on its own schedule and paths.
+The reason codes are those of DESIGN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+from typing import Any
+
+from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
+from probes.storage.common import (
+    CHILD_REASONS,
+    DISK_FULL,
+    INODES_EXHAUSTED,
+    MOUNT_STALE,
+    PATH_MISSING,
+    ChildCall,
+    child_error_finding,
+    errno_label,
+    normalize_path,
+    run_child_calls,
+)
+from probes.storage.config import StorageConfig, WriteProbeSpec
+
+WRITE = Check("storage.write")
+HINT_QUOTA = (
+    "uid {uid} is over its quota here: delete your own old files (checkpoints, caches, logs) or ask the storage "
+    "admins for more quota (`quota -s -u {uid}`, `lfs quota -u {uid} PATH`)"
+)
+DISK_QUOTA_EXCEEDED = Reason(
+    "DiskQuotaExceeded",
+    Status.FAIL,
+    "EDQUOT (errno 122) writing as the job's uid, at write, fsync or close",
+    HINT_QUOTA.format(uid="UID"),
+)
+READ_ONLY_FILESYSTEM = Reason(
+    "ReadOnlyFilesystem",
+    Status.FAIL,
+    "EROFS (errno 30): the filesystem is read-only",
+    "the filesystem is read-only (often remounted so after I/O errors: check dmesg); fix the disk or export, "
+    "then remount it read-write",
+)
+WRITE_DENIED = Reason(
+    "WriteDenied",
+    Status.WARN,
+    "EACCES/EPERM creating the probe file as the job's uid/gid",
+    "fix the directory's owner or mode, or the probe's uid/gid (storage.write_probes)",
+)
+WRITE_FAILED = Reason(
+    "WriteFailed",
+    Status.FAIL,
+    "the write failed with another errno (EIO...)",
+    "the filesystem refused a plain write: check dmesg and the storage server",
+)
+WRITE_PROBE_FAILED = Reason(
+    "WriteProbeFailed",
+    Status.UNKNOWN,
+    "the agent could not switch to the job's uid/gid",
+    "the agent needs CAP_SETUID and CAP_SETGID (a privileged pod) to write as the job's uid",
+)
+_WRITE_CHUNK = 1 << 20
+
+
+def write_probe_in_child(directory: str, file_name: str, uid: int, gid: int, nbytes: int) -> dict[str, Any]:
+    """Runs in a child: become uid/gid, write nbytes to a new file, fsync, close, unlink.
+
+    Returns {"stage", "errno", "error", "statvfs"} (stage "done" and errno None on success). As the job's
+    uid, not root: root bypasses quota hard limits (CAP_SYS_RESOURCE) and uses reserved blocks. NFS
+    reports ENOSPC/EDQUOT late (at fsync or close), so each stage is checked. Random bytes, because
+    compressing filesystems (ZFS, btrfs) store zeros without allocating anything.
+    """
+    stage = "switch to uid/gid"
+    path = os.path.join(directory, file_name)
+    fd = -1
+    created = False
+    try:
+        if (uid, gid) != (os.geteuid(), os.getegid()):
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+        stage = "open"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        created = True
+        stage = "write"
+        chunk = os.urandom(min(nbytes, _WRITE_CHUNK))
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, len(chunk))])
+        stage = "fsync"
+        os.fsync(fd)
+        stage = "close"
+        closing, fd = fd, -1
+        os.close(closing)  # Linux releases the fd even when close reports an error
+        stage = "unlink"
+        os.unlink(path)
+        created = False
+        return {"stage": "done", "errno": None, "error": "", "statvfs": None}
+    except OSError as exc:
+        return _write_failure(exc, stage, directory, path, fd, created)
+
+
+def _write_failure(exc: OSError, stage: str, directory: str, path: str, fd: int, created: bool) -> dict[str, Any]:
+    """Runs in the child: clean up after a failed stage and describe it (with statvfs after ENOSPC/EDQUOT)."""
+    result: dict[str, Any] = {"stage": stage, "errno": exc.errno, "error": exc.strerror or str(exc), "statvfs": None}
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    if created:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        with contextlib.suppress(OSError):
+            st = os.statvfs(directory)
+            result["statvfs"] = {"bavail": st.f_bavail, "files": st.f_files, "favail": st.f_favail}
+    return result
+
+
+def write_finding(spec: WriteProbeSpec, outcome: dict[str, Any], duration: float) -> Finding:
+    """Classify one write probe's outcome (from write_probe_in_child)."""
+    path, uid, gid = spec.path, spec.uid, spec.gid
+    number = outcome.get("errno")
+    stage = outcome.get("stage", "?")
+    st = outcome.get("statvfs")
+    observed: dict[str, Any] = {"uid": uid, "gid": gid, "bytes": spec.bytes, "duration_seconds": round(duration, 4)}
+    if number is None:
+        message = (
+            f"{path}: wrote, fsynced and removed {spec.bytes} bytes as uid {uid}:{gid} in {duration * 1000:.0f} ms"
+        )
+        return WRITE.ok(path, message, observed)
+    observed.update({"errno": number, "errno_name": errno.errorcode.get(number, str(number)), "stage": stage})
+    if st:
+        observed.update({"free_inodes": st["favail"], "inodes": st["files"], "free_blocks": st["bavail"]})
+    what = f"{path}: writing {spec.bytes} bytes as uid {uid}:{gid} failed at {stage} with {errno_label(number)}"
+    reason, hint = _classify(spec, number, stage, st)
+    return WRITE.report(reason, path, what, observed, hint=hint)
+
+
+def _classify(spec: WriteProbeSpec, number: int, stage: str, st: dict[str, int] | None) -> tuple[Reason, str | None]:
+    """The reason of a failed write, and a hint naming this probe's path and uid where that helps."""
+    if stage == "switch to uid/gid":
+        return WRITE_PROBE_FAILED, None
+    if number == errno.EDQUOT:
+        return DISK_QUOTA_EXCEEDED, HINT_QUOTA.format(uid=spec.uid)
+    if number == errno.ENOSPC:
+        return (INODES_EXHAUSTED, None) if st and st["files"] > 0 and st["favail"] == 0 else (DISK_FULL, None)
+    if number == errno.EROFS:
+        return READ_ONLY_FILESYSTEM, None
+    if number == errno.ESTALE:
+        return MOUNT_STALE, None
+    if number == errno.ENOENT and stage == "open":
+        hint = (
+            f"create {spec.path} writable by uid {spec.uid}, or fix storage.write_probes; a missing shared disk "
+            "looks like this"
+        )
+        return PATH_MISSING, hint
+    if number in (errno.EACCES, errno.EPERM) and stage == "open":
+        hint = (
+            f"uid {spec.uid}:{spec.gid} may not create files in {spec.path}: fix its owner or mode, or the "
+            "probe's uid/gid"
+        )
+        return WRITE_DENIED, hint
+    return WRITE_FAILED, None
+
+
+def write_probe_file_name(node: str) -> str:
+    """Per node, so nodes sharing a directory never trip over each other's probe file."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "node"
+    return f".node-health-write-probe.{safe}"
+
+
+@register
+class WriteProbe(Probe):
+    name = "storage.write"
+    checks = ("storage.write",)
+    reasons = (
+        DISK_QUOTA_EXCEEDED,
+        DISK_FULL,
+        INODES_EXHAUSTED,
+        READ_ONLY_FILESYSTEM,
+        WRITE_DENIED,
+        WRITE_FAILED,
+        WRITE_PROBE_FAILED,
+        *CHILD_REASONS,
+    )
+    default_interval = 120.0
+    default_timeout = 20.0
+    needs = "the configured directories (storage.write_probes), CAP_SETUID/CAP_SETGID to write as the job"
+    skip_when_empty = ("write_probes",)
+
+    def run(self, ctx: ProbeContext) -> ProbeOutput:
+        settings = ctx.settings(StorageConfig)
+        file_name = write_probe_file_name(ctx.node_name)
+        calls = [
+            ChildCall(
+                f"write:{normalize_path(spec.path)}",
+                write_probe_in_child,
+                (str(ctx.host.root_path(spec.path)), file_name, spec.uid, spec.gid, spec.bytes),
+                settings.write_timeout_seconds,
+            )
+            for spec in settings.write_probes
+        ]
+        out: ProbeOutput = []
+        for spec, result in zip(settings.write_probes, run_child_calls(ctx, calls), strict=True):
+            labels = {"path": spec.path}
+            if not result.ok:
+                out += [child_error_finding(WRITE, spec.path, result), write_ok_sample(labels, False)]
+                continue
+            finding = write_finding(spec, result.value, result.duration)
+            out += [finding, write_ok_sample(labels, finding.status == Status.OK)]
+            out.append(
+                Sample(
+                    "nodehealth_storage_write_seconds",
+                    "Time the write probe (write, fsync, close, unlink) took, in a child process.",
+                    result.duration,
+                    labels,
+                )
+            )
+        return out
+
+
+def write_ok_sample(labels: dict[str, str], ok: bool) -> Sample:
+    return Sample(
+        "nodehealth_storage_write_ok", "1 when the write probe succeeded as the job's uid.", float(ok), labels
+    )
