@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from support.netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver, servers
 from support.system import REPO
@@ -18,6 +19,7 @@ def node_health(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.system
 def test_check_json_not_ready_with_reasons(tmp_path: Path) -> None:
     with servers() as started:
         dns = DnsTestServer(ZoneResolver({"mirror.test": "127.0.0.1"}, nxdomain=("github.test",)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ from support.netservers import DnsTestServer, SilentUdpPort, ZoneResolver, serve
 from support.system import require, require_root
 
 from agent.config import ConfigError, parse_config
+from agent.scheduler import execute
 from probes.base import Finding, ProbeContext, Sample, Status
-from probes.network.legacy import DnsProbe, parse_hosts_file
+from probes.network.dns import DnsProbe
+from probes.network.resolver import parse_hosts_file
 from probes.runtime.host import Host
 
 ZONE = {"mirror.test": "127.0.0.1", "github.test": "127.0.0.9"}
@@ -40,6 +43,7 @@ def by_subject(findings: list[Finding]) -> dict[str, Finding]:
     return {f.subject: f for f in findings}
 
 
+@pytest.mark.system
 def test_resolves_names_and_tells_nxdomain_servfail_apart(dns_server: DnsTestServer) -> None:
     findings, samples, _ = run_dns(
         {"names": ["mirror.test", "github.test", "gone.test", "broken.test"], "nameservers": [dns_server.address]}
@@ -59,6 +63,7 @@ def test_resolves_names_and_tells_nxdomain_servfail_apart(dns_server: DnsTestSer
     assert all(0 < v < 2 for v in latency.values())
 
 
+@pytest.mark.system
 def test_silent_nameserver_is_a_timeout_within_the_lifetime() -> None:
     with servers() as started:
         silent = SilentUdpPort()
@@ -75,6 +80,7 @@ def test_silent_nameserver_is_a_timeout_within_the_lifetime() -> None:
     assert samples[0].value >= 0.9
 
 
+@pytest.mark.system
 def test_probe_deadline_bounds_the_lifetime() -> None:
     with servers() as started:
         silent = SilentUdpPort()
@@ -87,6 +93,7 @@ def test_probe_deadline_bounds_the_lifetime() -> None:
     assert elapsed < 1.5  # three names in parallel, each cut to deadline - headroom
 
 
+@pytest.mark.system
 def test_slow_answer_is_dns_slow() -> None:
     with servers() as started:
         slow = DnsTestServer(ZoneResolver(ZONE, delay=0.4))
@@ -111,22 +118,26 @@ def test_no_nameserver_in_host_resolv_conf(tmp_path: Path) -> None:
     assert findings[0].observed["error"] == "no_nameserver"
 
 
-@pytest.fixture
-def port53_server() -> Iterator[DnsTestServer]:
+def serve_port53(address: str, resolver: ZoneResolver) -> DnsTestServer:
     """A DNS server on port 53 of a private loopback address: resolv.conf has no port syntax."""
     require_root()
-    address = "127.83.14.7"
     try:
-        server = DnsTestServer(ZoneResolver(ZONE), address=address, port=53)
+        return DnsTestServer(resolver, address=address, port=53)
     except OSError as exc:
         require(exc.errno != errno.EADDRINUSE, f"port 53 on {address} free")
         raise
+
+
+@pytest.fixture
+def port53_server() -> Iterator[DnsTestServer]:
+    server = serve_port53("127.83.14.7", ZoneResolver(ZONE))
     try:
         yield server
     finally:
         server.close()
 
 
+@pytest.mark.system
 def test_host_resolv_conf_under_host_root(tmp_path: Path, port53_server: DnsTestServer) -> None:
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "resolv.conf").write_text(f"# node\nnameserver {port53_server.host}\noptions timeout:1\n")
@@ -135,8 +146,10 @@ def test_host_resolv_conf_under_host_root(tmp_path: Path, port53_server: DnsTest
     assert finding.status is Status.OK
     assert finding.observed["source"] == str(tmp_path / "etc" / "resolv.conf")
     assert finding.observed["nameservers"] == [port53_server.host]
+    assert finding.observed["resolver"] == "host"
 
 
+@pytest.mark.system
 def test_systemd_resolved_stub_uses_the_upstream_list(tmp_path: Path, port53_server: DnsTestServer) -> None:
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "resolv.conf").write_text("nameserver 127.0.0.53\noptions edns0 trust-ad\n")
@@ -149,22 +162,166 @@ def test_systemd_resolved_stub_uses_the_upstream_list(tmp_path: Path, port53_ser
     assert finding.observed["source"] == str(upstream)
 
 
-def test_cluster_names_only_inside_a_pod(dns_server: DnsTestServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = {"names": ["mirror.test"], "nameservers": [dns_server.address], "cluster_names": ["gone.test"]}
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    findings, _, _ = run_dns(settings)
-    assert [f.subject for f in findings] == ["mirror.test"]
+# --- cluster names: the pod's resolver only ---------------------------------------------------------
+
+CLUSTER_SEARCH = "search node-health.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5\n"
+
+
+@dataclass
+class ClusterLab:
+    """A node whose datacenter resolver answers NXDOMAIN for cluster.local, and a cluster DNS that serves
+    kubernetes.default.svc.cluster.local, each on port 53 of its own loopback address."""
+
+    host_root: Path  # host.root: etc/resolv.conf names the datacenter resolver
+    pod_resolv_conf: Path  # the pod's own resolv.conf (ClusterFirstWithHostNet): the cluster DNS
+    datacenter: ZoneResolver
+    cluster: ZoneResolver
+
+
+@pytest.fixture
+def cluster_lab(tmp_path: Path) -> Iterator[ClusterLab]:
+    datacenter = ZoneResolver({"mirror.test": "127.0.0.1"})  # every other name, cluster.local included: NXDOMAIN
+    cluster = ZoneResolver({"kubernetes.default.svc.cluster.local": "10.96.0.1"})
+    with servers() as started:
+        started.append(serve_port53("127.83.14.8", datacenter))
+        started.append(serve_port53("127.83.14.9", cluster))
+        (tmp_path / "host" / "etc").mkdir(parents=True)
+        (tmp_path / "host" / "etc" / "resolv.conf").write_text("search dc.example\nnameserver 127.83.14.8\n")
+        pod_resolv_conf = tmp_path / "pod-resolv.conf"
+        pod_resolv_conf.write_text(f"{CLUSTER_SEARCH}nameserver 127.83.14.9\n")
+        yield ClusterLab(tmp_path / "host", pod_resolv_conf, datacenter, cluster)
+
+
+def test_cluster_names_default_is_relative() -> None:
+    # No cluster domain is assumed: the pod's search list completes the name.
+    assert parse_config({}).network.dns.cluster_names == ["kubernetes.default.svc"]
+
+
+@pytest.mark.system
+def test_defaults_in_a_pod_are_healthy_where_the_node_resolver_lacks_cluster_local(
+    cluster_lab: ClusterLab, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    findings, _, _ = run_dns(settings)
-    assert by_subject(findings)["gone.test"].observed["error"] == "nxdomain"
+    settings = {"cluster_resolv_conf": str(cluster_lab.pod_resolv_conf)}  # every other key at its default
+    findings, _, _ = run_dns(settings, root=cluster_lab.host_root)
+    (finding,) = findings
+    assert (finding.subject, finding.status, finding.reason) == ("kubernetes.default.svc", Status.OK, "OK")
+    assert finding.observed["resolver"] == "pod"
+    assert finding.observed["source"] == str(cluster_lab.pod_resolv_conf)
+    assert finding.observed["resolved_as"] == "kubernetes.default.svc.cluster.local"
+    assert finding.observed["addresses"] == ["10.96.0.1"]
+    assert "kubernetes.default.svc" in finding.message and "10.96.0.1" in finding.message
+    # The search list was walked (ndots:5) and the datacenter resolver was never asked.
+    assert "kubernetes.default.svc.svc.cluster.local" in cluster_lab.cluster.queries
+    assert cluster_lab.datacenter.queries == []
+
+
+@pytest.mark.system
+def test_defaults_outside_a_pod_do_not_apply(cluster_lab: ClusterLab, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    config = parse_config({"network": {"dns": {"cluster_resolv_conf": str(cluster_lab.pod_resolv_conf)}}})
+    result, findings, _ = execute(DnsProbe(), Host(root=cluster_lab.host_root), config, 5.0)
+    assert result == "skip"
+    assert [(f.status, f.reason) for f in findings] == [(Status.SKIP, "NotApplicable")]
+    assert "cluster_names are resolved only in a pod" in findings[0].message
+    assert cluster_lab.datacenter.queries == [] and cluster_lab.cluster.queries == []
+
+
+@pytest.mark.system
+def test_listed_names_use_the_host_resolver_and_cluster_names_the_pods(
+    cluster_lab: ClusterLab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    settings = {"names": ["mirror.test"], "cluster_resolv_conf": str(cluster_lab.pod_resolv_conf)}
+    found = by_subject(run_dns(settings, root=cluster_lab.host_root)[0])
+    assert found["mirror.test"].status is Status.OK and found["mirror.test"].observed["resolver"] == "host"
+    assert found["kubernetes.default.svc"].status is Status.OK
+    assert cluster_lab.datacenter.queries == ["mirror.test"]
+    assert "mirror.test" not in cluster_lab.cluster.queries
+
+
+@pytest.mark.system
+def test_explicit_nameservers_never_answer_for_cluster_names(
+    cluster_lab: ClusterLab, dns_server: DnsTestServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    settings = {
+        "names": ["mirror.test"],
+        "nameservers": [dns_server.address],
+        "cluster_resolv_conf": str(cluster_lab.pod_resolv_conf),
+    }
+    found = by_subject(run_dns(settings, root=cluster_lab.host_root)[0])
+    assert found["mirror.test"].observed["source"] == "network.dns.nameservers"
+    assert found["kubernetes.default.svc"].observed["source"] == str(cluster_lab.pod_resolv_conf)
+    assert found["kubernetes.default.svc"].status is Status.OK
+
+
+@pytest.mark.system
+def test_pod_on_the_node_resolver_fails_with_the_dns_policy_hint(
+    cluster_lab: ClusterLab, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A hostNetwork pod under dnsPolicy ClusterFirst gets the node's resolv.conf: the cluster name fails,
+    and the finding says which resolver and what to change."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    node_like = tmp_path / "clusterfirst-resolv.conf"
+    node_like.write_text(f"{CLUSTER_SEARCH}nameserver 127.83.14.8\n")
+    findings, _, _ = run_dns({"cluster_resolv_conf": str(node_like)}, root=cluster_lab.host_root)
+    (finding,) = findings
+    assert (finding.status, finding.reason, finding.observed["error"]) == (Status.FAIL, "DnsFailed", "nxdomain")
+    assert "kubernetes.default.svc: NXDOMAIN from 127.83.14.8" in finding.message
+    assert "the pod's resolver" in finding.message and str(node_like) in finding.message
+    assert "ClusterFirstWithHostNet" in finding.hint
+
+
+def test_missing_pod_resolv_conf_is_no_nameserver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    missing = tmp_path / "no-resolv.conf"
+    findings, _, _ = run_dns({"cluster_resolv_conf": str(missing)}, root=tmp_path)
+    (finding,) = findings
+    assert (finding.status, finding.reason, finding.observed["error"]) == (Status.FAIL, "DnsFailed", "no_nameserver")
+    assert str(missing) in finding.message
 
 
 def test_not_applicable_without_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     ctx = ProbeContext(Host(), parse_config({}), 5)
-    assert DnsProbe().applicable(ctx) == "no names configured in network.dns.names"
+    assert DnsProbe().applicable(ctx) == (
+        "no names configured in network.dns.names (cluster_names are resolved only in a pod)"
+    )
     ctx = ProbeContext(Host(), parse_config({"network": {"dns": {"names": ["x.test"]}}}), 5)
     assert DnsProbe().applicable(ctx) is None
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    assert DnsProbe().applicable(ProbeContext(Host(), parse_config({}), 5)) is None
+    no_cluster = parse_config({"network": {"dns": {"cluster_names": []}}})
+    assert DnsProbe().applicable(ProbeContext(Host(), no_cluster, 5)) is not None
+
+
+# --- deadlines ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_many_silent_names_each_get_a_timeout_inside_the_probe_deadline() -> None:
+    """More names than the old worker pool had threads, each with a 5 s lifetime, under a 1.5 s probe
+    deadline: every name gets its own DnsFailed timeout (not DeadlineExceeded, not a ProbeTimeout)."""
+    names = [f"n{i}.test" for i in range(20)]
+    with servers() as started:
+        silent = SilentUdpPort()
+        started.append(silent)
+        config = parse_config({"network": {"dns": {"names": names, "nameservers": [silent.address]}}})
+        started_at = time.monotonic()
+        result, findings, _ = execute(DnsProbe(), Host(), config, 1.5)
+        elapsed = time.monotonic() - started_at
+    assert result == "ok"
+    assert elapsed < 1.5  # inside the deadline: the scheduler keeps the result
+    found = by_subject(findings)
+    assert set(found) == set(names)
+    for name in names:
+        assert (found[name].status, found[name].reason, found[name].observed["error"]) == (
+            Status.FAIL,
+            "DnsFailed",
+            "timeout",
+        ), found[name]
+        assert silent.address in found[name].message
 
 
 @pytest.mark.parametrize("entry", ["dns.google", "10.0.0.1:0", "10.0.0.1:x", "[::1"])
@@ -187,3 +344,15 @@ def test_parse_hosts_file() -> None:
     assert hosts["localhost"] == ["127.0.0.1", "::1"]
     assert hosts["mirror"] == ["10.1.2.3"] and hosts["mirror.internal"] == ["10.1.2.3"]
     assert "bogus" not in hosts
+
+
+def test_no_time_left_is_deadline_exceeded(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "resolv.conf").write_text("nameserver 192.0.2.53\n")
+    findings, samples, elapsed = run_dns({"names": ["mirror.test", "github.test"]}, timeout=0.5, root=tmp_path)
+    assert [(f.subject, f.status, f.reason) for f in findings] == [
+        ("mirror.test", Status.UNKNOWN, "DeadlineExceeded"),
+        ("github.test", Status.UNKNOWN, "DeadlineExceeded"),
+    ]
+    assert "no time left" in findings[0].message and findings[0].hint
+    assert samples == [] and elapsed < 0.5

@@ -4,6 +4,7 @@ hole inside a network namespace the test creates (the probe runs there in a chil
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from support.netservers import (
     DnsTestServer,
     HttpTestServer,
     Netns,
+    SilentTcpServer,
     TcpAcceptServer,
     ZoneResolver,
     make_self_signed,
@@ -28,8 +30,9 @@ from support.netservers import (
 from support.system import REPO, require_root, require_tool
 
 from agent.config import ConfigError, parse_config
+from agent.scheduler import execute
 from probes.base import Finding, ProbeContext, Sample, Status
-from probes.network.legacy import EgressProbe
+from probes.network.egress import EgressProbe
 from probes.runtime.host import Host
 
 
@@ -67,6 +70,7 @@ def run_egress(
     return findings, [s for s in out if isinstance(s, Sample)]
 
 
+@pytest.mark.system
 def test_plain_tcp_and_http_ok(lab: Lab) -> None:
     findings, samples = run_egress(
         lab,
@@ -85,6 +89,7 @@ def test_plain_tcp_and_http_ok(lab: Lab) -> None:
         assert ("nodehealth_network_egress_duration_seconds", target) in names
 
 
+@pytest.mark.system
 def test_mirror_answering_503_is_http_status(lab: Lab) -> None:
     findings, _ = run_egress(
         lab,
@@ -106,6 +111,7 @@ def test_mirror_answering_503_is_http_status(lab: Lab) -> None:
     assert findings["private"].status is Status.OK
 
 
+@pytest.mark.system
 def test_tls_self_signed_is_tls_failed_and_trusted_with_ca_file(lab: Lab) -> None:
     target = {"host": "mirror.test", "port": lab.https.port, "http_path": "/"}
     findings, _ = run_egress(lab, [{**target, "name": "untrusted"}, {**target, "name": "ca", "ca_file": str(lab.cert)}])
@@ -118,6 +124,7 @@ def test_tls_self_signed_is_tls_failed_and_trusted_with_ca_file(lab: Lab) -> Non
     assert trusted.observed["tls_version"].startswith("TLS") and trusted.observed["http_status"] == 200
 
 
+@pytest.mark.system
 def test_tls_to_a_plain_http_port_and_wrong_hostname(lab: Lab) -> None:
     findings, _ = run_egress(
         lab,
@@ -133,6 +140,7 @@ def test_tls_to_a_plain_http_port_and_wrong_hostname(lab: Lab) -> None:
     assert "localhost" in findings["wrong-name"].observed["tls_error"]
 
 
+@pytest.mark.system
 def test_refused_port_and_unresolvable_host(lab: Lab) -> None:
     port = refused_port()
     findings, _ = run_egress(
@@ -150,6 +158,7 @@ def test_refused_port_and_unresolvable_host(lab: Lab) -> None:
     assert "NXDOMAIN" in gone.message
 
 
+@pytest.mark.system
 def test_https_through_connect_proxy(lab: Lab) -> None:
     findings, _ = run_egress(
         lab,
@@ -180,6 +189,7 @@ def test_https_through_connect_proxy(lab: Lab) -> None:
     assert "403" in denied.message and "CONNECT pypi.test:443" in denied.message
 
 
+@pytest.mark.system
 def test_refused_proxy(lab: Lab) -> None:
     findings, _ = run_egress(
         lab, [{"name": "dead-proxy", "host": "mirror.test", "proxy": f"http://127.0.0.1:{refused_port()}"}]
@@ -200,7 +210,7 @@ BLACKHOLE_SNIPPET = textwrap.dedent(
     from agent.config import parse_config
     from probes.runtime.host import Host
     from probes.base import Finding, ProbeContext
-    from probes.network.legacy import EgressProbe
+    from probes.network.egress import EgressProbe
     config = parse_config({{"network": {{"egress": {targets!r}}}}})
     started = time.monotonic()
     out = EgressProbe().run(ProbeContext(Host(), config, {timeout!r}))
@@ -230,6 +240,7 @@ def blackhole_netns() -> Iterator[Netns]:
         ns.close()
 
 
+@pytest.mark.system
 def test_black_hole_is_a_timeout_within_the_deadline(blackhole_netns: Netns) -> None:
     targets = [
         {"name": "dropped", "host": "192.0.2.2", "port": 443, "timeout_seconds": 1.0},
@@ -246,8 +257,10 @@ def test_black_hole_is_a_timeout_within_the_deadline(blackhole_netns: Netns) -> 
     findings = {f["subject"]: f for f in report["findings"]}
     dropped = findings["dropped"]
     assert (dropped["status"], dropped["reason"], dropped["observed"]["phase"]) == ("fail", "EgressTimeout", "connect")
-    # The target's own 30 s is cut to the probe's 2 s deadline.
+    # The target's own 30 s is cut to the probe's 2 s deadline, and the message says so.
     assert findings["dropped-long"]["reason"] == "EgressTimeout"
+    assert "cut from timeout_seconds 30 s" in findings["dropped-long"]["message"]
+    assert findings["dropped-long"]["observed"]["deadline_seconds"] < 2.0
     assert report["elapsed"] < 2.5, report
     assert wall < 30
     assert findings["blackhole-route"]["reason"] == "EgressRefused"
@@ -257,8 +270,103 @@ def test_black_hole_is_a_timeout_within_the_deadline(blackhole_netns: Netns) -> 
     assert findings["unreachable-route"]["observed"]["errno"] == "EHOSTUNREACH"
 
 
+@pytest.mark.system
 def test_subprocess_in_netns_sees_only_its_namespace(blackhole_netns: Netns) -> None:
     # Guard for the test above: the snippet really runs inside the namespace (its own bh0 link exists).
     result = blackhole_netns.exec(["ip", "-o", "link", "show", "bh0"])
     assert result.returncode == 0 and "bh0" in result.stdout
     assert subprocess.run(["ip", "-o", "link", "show", "bh0"], capture_output=True).returncode != 0
+
+
+# --- slow targets -----------------------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_slow_mirror_is_egress_slow_with_the_measured_time() -> None:
+    """A mirror that answers after 1.2 s: past its slow_ms it is a warning naming the time and the phase;
+    under a generous slow_ms the same answer is ok."""
+    with servers() as started:
+        mirror = HttpTestServer({"/simple/": 200}, delays={"/simple/": 1.2})
+        started.append(mirror)
+        target = {"host": "127.0.0.1", "port": mirror.port, "tls": False, "http_path": "/simple/"}
+        config = parse_config(
+            {"network": {"egress": [{**target, "name": "slow", "slow_ms": 500}, {**target, "name": "patient"}]}}
+        )
+        out = EgressProbe().run(ProbeContext(Host(), config, 10.0))
+    findings = {f.subject: f for f in out if isinstance(f, Finding)}
+    slow = findings["slow"]
+    assert (slow.status, slow.reason) == (Status.WARN, "EgressSlow")
+    assert slow.observed["duration_seconds"] >= 1.2 and slow.observed["slow_ms"] == 500
+    assert slow.observed["phases"]["http"] >= 1.2 and slow.observed["http_status"] == 200
+    said = re.search(r"HTTP 200 in (\d+) ms", slow.message)
+    assert said is not None and abs(int(said.group(1)) - slow.observed["duration_seconds"] * 1000) <= 1
+    assert "slower than slow_ms 500" in slow.message and "slowest phase http" in slow.message
+    assert slow.hint
+    patient = findings["patient"]  # no slow_ms of its own: network.egress_slow_ms (2000 ms)
+    assert (patient.status, patient.reason) == (Status.OK, "OK")
+
+
+@pytest.mark.system
+def test_section_default_slow_ms_applies_to_targets_without_their_own() -> None:
+    with servers() as started:
+        mirror = HttpTestServer({"/": 200}, delays={"/": 0.5})
+        started.append(mirror)
+        target = {"name": "mirror", "host": "127.0.0.1", "port": mirror.port, "tls": False, "http_path": "/"}
+        config = parse_config({"network": {"egress_slow_ms": 200, "egress": [target]}})
+        out = EgressProbe().run(ProbeContext(Host(), config, 10.0))
+    (finding,) = [f for f in out if isinstance(f, Finding)]
+    assert (finding.status, finding.reason, finding.observed["slow_ms"]) == (Status.WARN, "EgressSlow", 200)
+
+
+@pytest.mark.parametrize("egress", [{"egress": [{"host": "x", "slow_ms": 0}]}, {"egress_slow_ms": -1}])
+def test_slow_ms_must_be_positive(egress: dict) -> None:
+    with pytest.raises(ConfigError, match=r"network\.egress"):
+        parse_config({"network": egress})
+
+
+# --- deadlines --------------------------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_many_hanging_targets_each_get_a_specific_timeout_inside_the_probe_deadline() -> None:
+    """Twenty targets whose TLS handshake never gets an answer, each allowed 30 s, under a 2 s probe deadline:
+    every target ends in its own EgressTimeout at the tls phase, inside the deadline, so the scheduler keeps
+    the result instead of reporting an opaque ProbeTimeout."""
+    with servers() as started:
+        silent = SilentTcpServer()
+        started.append(silent)
+        targets = [
+            {"name": f"hang-{i}", "host": "127.0.0.1", "port": silent.port, "timeout_seconds": 30} for i in range(20)
+        ]
+        config = parse_config({"network": {"egress": targets}})
+        started_at = time.monotonic()
+        result, findings, _ = execute(EgressProbe(), Host(), config, 2.0)
+        elapsed = time.monotonic() - started_at
+    assert result == "ok" and elapsed < 2.0
+    found = {f.subject: f for f in findings}
+    assert set(found) == {t["name"] for t in targets}
+    for finding in found.values():
+        assert (finding.status, finding.reason, finding.observed["phase"]) == (Status.FAIL, "EgressTimeout", "tls")
+        # Usually "TLS handshake with 127.0.0.1 did not finish within ..."; on a loaded machine a target may
+        # get to the handshake only after its time is up ("no time left before the TLS handshake").
+        assert "TLS handshake" in finding.message
+        assert "cut from timeout_seconds 30 s" in finding.message
+        assert finding.observed["deadline_seconds"] < 2.0
+
+
+@pytest.mark.system
+def test_target_that_starts_with_no_time_left_is_a_timeout_not_a_crash() -> None:
+    with servers() as started:
+        tcp = TcpAcceptServer()
+        started.append(tcp)
+        config = parse_config({"network": {"egress": [{"name": "late", "host": "127.0.0.1", "port": tcp.port}]}})
+        out = EgressProbe().run(ProbeContext(Host(), config, 0.2))  # less than the probe keeps in hand
+    (finding,) = [f for f in out if isinstance(f, Finding)]
+    assert (finding.status, finding.reason) == (Status.FAIL, "EgressTimeout")
+    assert "no time left before" in finding.message
+
+
+def test_no_targets_is_not_applicable() -> None:
+    result, findings, _ = execute(EgressProbe(), Host(), parse_config({}), 5.0)
+    assert result == "skip" and findings[0].reason == "NotApplicable"
+    assert "network.egress" in findings[0].message

@@ -12,7 +12,8 @@ from support.system import require_root, require_tool
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status
-from probes.network.legacy import CarrierHistory, LinksProbe, LinkState, choose_netns, is_physical, link_findings
+from probes.network.links import CarrierHistory, LinksProbe, LinkState, is_physical, link_findings
+from probes.network.netns import choose_netns
 from probes.runtime.host import Host
 
 
@@ -40,6 +41,7 @@ def run_links(probe: LinksProbe, links: dict, host: Host | None = None) -> tuple
     return {f.subject: f for f in out if isinstance(f, Finding)}, [s for s in out if isinstance(s, Sample)]
 
 
+@pytest.mark.system
 def test_links_up_and_default_route_in_the_namespace(netns: Netns) -> None:
     findings, samples = run_links(LinksProbe(), {"netns": netns.path, "interfaces": ["ha0", "hb0", "ha1"]})
     for name in ("ha0", "hb0", "ha1"):
@@ -57,6 +59,7 @@ def test_links_up_and_default_route_in_the_namespace(netns: Netns) -> None:
     assert counters and all(s.kind == "counter" for s in counters)
 
 
+@pytest.mark.system
 def test_admin_down_and_no_carrier(netns: Netns) -> None:
     netns.ip("link", "set", "hb0", "down")  # its peer ha0 loses carrier
     findings, samples = run_links(LinksProbe(), {"netns": netns.path, "interfaces": ["ha0", "hb0", "ha1", "eth9"]})
@@ -72,6 +75,7 @@ def test_admin_down_and_no_carrier(netns: Netns) -> None:
     assert up["ha0"] == 0.0 and up["hb0"] == 0.0 and up["ha1"] == 1.0
 
 
+@pytest.mark.system
 def test_flapping_is_detected_from_carrier_changes_across_runs(netns: Netns) -> None:
     probe = LinksProbe()  # keeps the history between runs, as the scheduler's instance does
     settings = {"netns": netns.path, "interfaces": ["ha0", "ha1"], "max_carrier_changes_per_hour": 6}
@@ -93,6 +97,7 @@ def test_flapping_is_detected_from_carrier_changes_across_runs(netns: Netns) -> 
     assert fresh["ha0"].status is Status.OK
 
 
+@pytest.mark.system
 def test_recreated_interface_resets_its_history(netns: Netns) -> None:
     probe = LinksProbe()
     settings = {"netns": netns.path, "interfaces": ["ha1"], "max_carrier_changes_per_hour": 1}

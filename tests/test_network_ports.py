@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.system import require, require_root, require_tool
 
 from agent.config import ConfigError, parse_config
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
-from probes.network.legacy import (
-    PortsProbe,
+from probes.network.netns import read_host_net_sysctls
+from probes.network.ports import PortsProbe
+from probes.network.proc_net import (
     compress_ports,
     parse_port_ranges,
     parse_proc_net_sockets,
@@ -73,6 +75,7 @@ def run_ports(ports: dict, host: Host) -> tuple[dict[str, Finding], list[Sample]
     return {f.subject: f for f in out if isinstance(f, Finding)}, [s for s in out if isinstance(s, Sample)]
 
 
+@pytest.mark.system
 def test_process_holding_ports_outside_kubernetes(holder: Holder) -> None:
     base = max(1, holder.port - 3)
     findings, samples = run_ports({"base": base, "count": 16}, Host())
@@ -100,6 +103,7 @@ def proc_tree(tmp_path: Path, reserved: str, port_range: str = "32768\t60999\n")
     return root
 
 
+@pytest.mark.system
 def test_holder_in_a_pod_is_a_warning(holder: Holder, tmp_path: Path) -> None:
     root = proc_tree(tmp_path, "")
     pid_dir = root / str(holder.proc.pid)
@@ -242,6 +246,8 @@ def test_port_ranges_and_formatting() -> None:
     assert parse_port_ranges("32768\t60999\n") == [(32768, 60999)]
     with pytest.raises(ProbeParseError):
         parse_port_ranges("60000-x")
+    with pytest.raises(ProbeParseError):
+        parse_port_ranges("low\thigh\n")
     assert ports_outside([(60000, 60003), (60010, 60010)], 60000, 60011) == [
         60004,
         60005,
@@ -260,13 +266,10 @@ def test_range_must_fit() -> None:
         parse_config({"network": {"ports": {"base": 65530, "count": 16}}})
 
 
+@pytest.mark.system
 def test_reserved_ports_are_read_in_the_hosts_network_namespace(tmp_path: Path) -> None:
     """The agent's pod has its own network namespace; net.ipv4 sysctls are per namespace, so they are read
     by a child that entered the host's (here: a namespace the test creates, standing in for /proc/1/ns/net)."""
-    from support.system import require, require_root, require_tool
-
-    from probes.network.legacy import read_host_net_sysctls
-
     require_root()
     require_tool("ip")
     name = f"nh-sysctl-{os.getpid()}"

@@ -16,9 +16,13 @@ class DnsConfig(Section):
     timeout_seconds: PositiveSeconds = 2.0  # per try, per nameserver
     lifetime_seconds: PositiveSeconds = 4.0  # per name, all tries (bounded by the probe's deadline)
     slow_seconds: PositiveSeconds = 0.5
-    # Resolved only when the agent runs in a pod (KUBERNETES_SERVICE_HOST set), with the pod's own
-    # /etc/resolv.conf (dnsPolicy ClusterFirstWithHostNet) unless `nameservers` is set.
-    cluster_names: list[str] = ["kubernetes.default.svc.cluster.local"]
+    # Resolved only when the agent runs in a pod (KUBERNETES_SERVICE_HOST set), and only through the pod's
+    # own resolver (`cluster_resolv_conf`, with its search domains; dnsPolicy ClusterFirstWithHostNet), never
+    # the node's: datacenter resolvers do not serve the cluster domain. Relative, so no cluster domain is
+    # assumed: the pod's search list completes it.
+    cluster_names: list[str] = ["kubernetes.default.svc"]
+    # The pod's own resolv.conf (a path in the agent's filesystem, not under host.root).
+    cluster_resolv_conf: str = "/etc/resolv.conf"
 
     @field_validator("nameservers")
     @classmethod
@@ -43,6 +47,9 @@ class EgressTarget(Section):
     timeout_seconds: PositiveSeconds = 5.0
     # Extra CA bundle (a host path, e.g. a corporate CA) trusted besides the agent's default CAs.
     ca_file: str | None = None
+    # A check that passes but takes longer than this (DNS, connect, proxy, TLS and HTTP together) is a
+    # warning (EgressSlow); None: network.egress_slow_ms.
+    slow_ms: float | None = Field(None, gt=0)
 
     @field_validator("proxy")
     @classmethod
@@ -89,5 +96,7 @@ class PortsConfig(Section):
 class NetworkConfig(Section):
     dns: DnsConfig = DnsConfig()
     egress: list[EgressTarget] = []
+    # EgressSlow threshold of targets that set no slow_ms of their own.
+    egress_slow_ms: float = Field(2000, gt=0)
     links: LinksConfig = LinksConfig()
     ports: PortsConfig = PortsConfig()

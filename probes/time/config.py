@@ -11,14 +11,15 @@ from probes.runtime.addresses import split_host_port
 
 
 class TimeConfig(Section):
-    ntp_servers: list[str] = []  # "host" or "host:port"
+    # "host" or "host:port"; empty: the servers of the host's chrony, ntpd or timesyncd config (under host.root).
+    ntp_servers: list[str] = []
     warn_offset_seconds: PositiveSeconds = 0.1
     fail_offset_seconds: PositiveSeconds = 1.0
     ntp_timeout_seconds: PositiveSeconds = 2.0
     # argv prefix for chronyc; `-n tracking` is appended. e.g. [nsenter, -t, 1, -m, -n, --, chronyc]
     chronyc_command: list[str] = ["chronyc"]
     chronyc_timeout_seconds: PositiveSeconds = 2.0
-    # An unsynchronised kernel clock that no NTP server could be asked about: warn (default) or fail.
+    # Status of an unsynchronised kernel clock (ClockUnsynced), whatever the servers' offsets: warn or fail.
     unsynced_status: Literal["warn", "fail"] = "warn"
 
     @field_validator("ntp_servers")

@@ -1,536 +1,238 @@
-"""time.sync: is the kernel clock disciplined, and how far is it from the configured NTP servers.
+"""time.sync: is the kernel clock disciplined, and how far is it from the NTP servers.
 
-- Kernel state by adjtimex(2) with modes=0: read-only, unprivileged, not namespaced (a pod sees the host
-  kernel's clock state). STA_UNSYNC or a TIME_ERROR return means nothing is disciplining the clock.
-- Offset by SNTP (RFC 4330) to each of `time.ntp_servers`, written here so that every answer is validated:
-  mode, stratum 1-15 (0 is a kiss-of-death), leap indicator 3 (server unsynchronised), and the echoed
-  origin timestamp (a random nonce we sent), so a stale or forged datagram is never taken for an answer.
-- chronyd's own view (`chronyc -n tracking`) as extra observed data when chronyd answers.
-
-Named clock.py, not time.py, so that it does not shadow the standard library's `time`.
+Two separate questions, two kinds of findings:
+- subject `kernel`: the kernel's discipline state (adjtimex). Unsynchronised is ClockUnsynced with the
+  status the operator chose (time.unsynced_status), whatever the servers say: nothing keeps the clock right.
+- one subject per NTP server (time.ntp_servers, else the servers of the host's chrony, ntpd or timesyncd):
+  the offset, ok below warn_offset_seconds, ClockSkew warn up to fail_offset_seconds, ClockSkew fail from
+  there; servers that disagree with each other are NtpServersDisagree (probes/time/offsets.py).
+chronyd's tracking data, when it answers, is added to the kernel finding.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ipaddress
-import os
-import secrets
-import socket
-import struct
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, Status, register
-from probes.network.legacy import DNS_KIND_TEXT, ResolverSetup, make_resolver, resolve_name, run_parallel
-from probes.runtime.addresses import split_host_port
+from probes.base import PARSE_ERROR, Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
+from probes.network.config import NetworkConfig
+from probes.network.parallel import run_parallel
+from probes.network.resolver import ResolverSetup, is_ip_address, make_resolver
+from probes.time.chrony import chrony_tracking
+from probes.time.config import TimeConfig
+from probes.time.kernel_clock import KernelClock, read_kernel_clock
+from probes.time.ntp_sources import NtpSources, ntp_sources
+from probes.time.offsets import Kind, Verdict, judge_offsets
+from probes.time.sntp import ServerResult, query_server
 
-# --- kernel clock (adjtimex) -----------------------------------------------------------------------
+SYNC = Check("time.sync")
 
-TIME_OK, TIME_INS, TIME_DEL, TIME_OOP, TIME_WAIT, TIME_ERROR = range(6)
-STA_PLL = 0x0001
-STA_UNSYNC = 0x0040
-STA_CLOCKERR = 0x1000
-STA_NANO = 0x2000
-CLOCK_STATES = {
-    TIME_OK: "TIME_OK",
-    TIME_INS: "TIME_INS",
-    TIME_DEL: "TIME_DEL",
-    TIME_OOP: "TIME_OOP",
-    TIME_WAIT: "TIME_WAIT",
-    TIME_ERROR: "TIME_ERROR",
-}
-
-
-class Timeval(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_usec", ctypes.c_long)]
-
-
-class Timex(ctypes.Structure):
-    """struct timex of <sys/timex.h> (glibc). The kernel ABI is the same on x86_64 and aarch64 (LP64):
-    208 bytes, natural alignment supplies the padding after the int members."""
-
-    _fields_ = [
-        ("modes", ctypes.c_uint),
-        ("offset", ctypes.c_long),
-        ("freq", ctypes.c_long),
-        ("maxerror", ctypes.c_long),
-        ("esterror", ctypes.c_long),
-        ("status", ctypes.c_int),
-        ("constant", ctypes.c_long),
-        ("precision", ctypes.c_long),
-        ("tolerance", ctypes.c_long),
-        ("time", Timeval),
-        ("tick", ctypes.c_long),
-        ("ppsfreq", ctypes.c_long),
-        ("jitter", ctypes.c_long),
-        ("shift", ctypes.c_int),
-        ("stabil", ctypes.c_long),
-        ("jitcnt", ctypes.c_long),
-        ("calcnt", ctypes.c_long),
-        ("errcnt", ctypes.c_long),
-        ("stbcnt", ctypes.c_long),
-        ("tai", ctypes.c_int),
-        ("_reserved", ctypes.c_int * 11),
-    ]
-
-
-@dataclass(frozen=True)
-class KernelClock:
-    state: int  # adjtimex's return value: TIME_OK ... TIME_ERROR
-    status: int  # STA_* bits
-    maxerror_us: int
-    esterror_us: int
-    offset: int  # µs, or ns with STA_NANO
-    freq: int  # ppm << 16
-    tai: int
-
-    @property
-    def unsynced(self) -> bool:
-        return bool(self.status & STA_UNSYNC) or self.state == TIME_ERROR
-
-    @property
-    def offset_seconds(self) -> float:
-        return self.offset / (1e9 if self.status & STA_NANO else 1e6)
-
-    def observed(self) -> dict[str, Any]:
-        return {
-            "state": CLOCK_STATES.get(self.state, str(self.state)),
-            "status": f"0x{self.status:04x}",
-            "unsync": bool(self.status & STA_UNSYNC),
-            "clockerr": bool(self.status & STA_CLOCKERR),
-            "maxerror_seconds": self.maxerror_us / 1e6,
-            "esterror_seconds": self.esterror_us / 1e6,
-            "pll_offset_seconds": self.offset_seconds,
-            "freq_ppm": round(self.freq / 65536, 3),
-            "tai_offset": self.tai,
-        }
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def read_kernel_clock() -> KernelClock:
-    """adjtimex(2) with modes=0: reads the kernel's clock discipline state without changing anything."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    tx = Timex()
-    tx.modes = 0
-    state = _libc.adjtimex(ctypes.byref(tx))
-    if state < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return KernelClock(state, tx.status, tx.maxerror, tx.esterror, tx.offset, tx.freq, tx.tai)
-
-
-# --- SNTP ------------------------------------------------------------------------------------------
-
-NTP_EPOCH_OFFSET = 2208988800  # 1900-01-01 → 1970-01-01
-NTP_PACKET = struct.Struct("!BBbbII4s8s8s8s8s")  # 48 bytes
-
-
-class SntpRejected(Exception):
-    """The server answered, but not with something usable (kiss-of-death, unsynchronised, not our answer)."""
-
-
-@dataclass(frozen=True)
-class SntpAnswer:
-    offset: float  # seconds the local clock is behind (+) or ahead (-) of the server
-    delay: float  # round trip, seconds
-    stratum: int
-    leap: int
-    version: int
-    reference_id: str
-    root_delay: float
-    root_dispersion: float
-
-
-def ntp_to_unix(raw: bytes) -> float:
-    seconds, fraction = struct.unpack("!II", raw)
-    if seconds & 0x80000000 == 0:
-        seconds += 1 << 32  # era 1 (from 2036-02-07), RFC 4330 section 3
-    return seconds - NTP_EPOCH_OFFSET + fraction / 2**32
-
-
-def _short_format(value: int) -> float:
-    return (value >> 16) + (value & 0xFFFF) / 65536
-
-
-def _reference_id(raw: bytes, stratum: int) -> str:
-    if stratum <= 1:  # a kiss code (stratum 0) or a reference clock name (stratum 1), ASCII
-        return raw.rstrip(b"\0").decode("ascii", "replace")
-    return str(ipaddress.IPv4Address(raw))
-
-
-def sntp_request(nonce: bytes) -> bytes:
-    """A client request (LI 0, version 4, mode 3) whose transmit timestamp is a random nonce.
-
-    A nonce instead of our clock leaks no time and lets the echoed origin prove the answer is to this
-    request; our send time is kept locally for the offset.
-    """
-    return bytes([0x23]) + bytes(39) + nonce
-
-
-def parse_sntp_reply(data: bytes, nonce: bytes, sent: float, received: float) -> SntpAnswer:
-    """Validate a server reply and compute offset and delay. Raises SntpRejected when it is no answer."""
-    if len(data) < NTP_PACKET.size:
-        raise SntpRejected(f"short reply ({len(data)} bytes)")
-    first, stratum, _poll, _precision, root_delay, root_dispersion, ref_id, _ref, origin, recv_ts, xmit_ts = (
-        NTP_PACKET.unpack_from(data)
-    )
-    leap, version, mode = first >> 6, (first >> 3) & 0x7, first & 0x7
-    if mode != 4:
-        raise SntpRejected(f"not a server reply (mode {mode})")
-    if stratum == 0:
-        code = ref_id.rstrip(b"\0").decode("ascii", "replace") or "?"
-        raise SntpRejected(f"kiss-of-death {code} (stratum 0)")
-    if stratum > 15:
-        raise SntpRejected(f"stratum {stratum}: the server is not synchronised")
-    if leap == 3:
-        raise SntpRejected("leap indicator 3: the server's clock is not synchronised")
-    if origin != nonce:
-        raise SntpRejected("origin timestamp does not echo our request (a stale or forged reply)")
-    if xmit_ts == bytes(8):
-        raise SntpRejected("zero transmit timestamp")
-    t2, t3 = ntp_to_unix(recv_ts), ntp_to_unix(xmit_ts)
-    return SntpAnswer(
-        offset=((t2 - sent) + (t3 - received)) / 2,
-        delay=(received - sent) - (t3 - t2),
-        stratum=stratum,
-        leap=leap,
-        version=version,
-        reference_id=_reference_id(ref_id, stratum),
-        root_delay=_short_format(root_delay),
-        root_dispersion=_short_format(root_dispersion),
-    )
-
-
-def sntp_query(address: str, port: int, timeout: float) -> SntpAnswer:
-    """One SNTP exchange. A connected socket, so an ICMP port-unreachable ends the wait at once."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    nonce = secrets.token_bytes(8)
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect((address, port))
-        sent = time.time()
-        sock.send(sntp_request(nonce))
-        data = sock.recv(1024)
-        received = time.time()
-    return parse_sntp_reply(data, nonce, sent, received)
-
-
-@dataclass(frozen=True)
-class ServerResult:
-    server: str
-    answer: SntpAnswer | None
-    error: str = ""
-    address: str = ""
-
-
-def query_server(
-    entry: str, timeout: float, dns_setup: Callable[[], ResolverSetup], dns_timeout: float
-) -> ServerResult:
-    host, port = split_host_port(entry, 123)
-    started = time.monotonic()
-    try:
-        ipaddress.ip_address(host)
-        address = host
-    except ValueError:
-        setup = dns_setup()
-        if setup.resolver is None:
-            return ServerResult(entry, None, f"cannot resolve {host}: {setup.error}")
-        outcome = resolve_name(setup.new_resolver(), host, dns_timeout, max(0.1, timeout - 0.5))
-        if not outcome.ok:
-            return ServerResult(entry, None, f"cannot resolve {host}: {DNS_KIND_TEXT[outcome.kind]}")
-        address = outcome.addresses[0]
-    left = timeout - (time.monotonic() - started)
-    if left <= 0.05:
-        return ServerResult(entry, None, "no time left after resolving the name", address)
-    try:
-        return ServerResult(entry, sntp_query(address, port, left), address=address)
-    except TimeoutError:
-        return ServerResult(entry, None, f"no answer within {left:.1f} s", address)
-    except SntpRejected as exc:
-        return ServerResult(entry, None, str(exc), address)
-    except OSError as exc:
-        return ServerResult(entry, None, f"{exc.strerror or exc}", address)
-
-
-# --- chrony ----------------------------------------------------------------------------------------
-
-_CHRONY_SECONDS = {
-    "Last offset": "last_offset_seconds",
-    "RMS offset": "rms_offset_seconds",
-    "Root delay": "root_delay_seconds",
-    "Root dispersion": "root_dispersion_seconds",
-    "Update interval": "update_interval_seconds",
-}
-_CHRONY_PPM = {"Residual freq": "residual_freq_ppm", "Skew": "skew_ppm"}
-
-
-def _number(text: str, key: str) -> float:
-    try:
-        return float(text.split()[0])
-    except (IndexError, ValueError):
-        raise ProbeParseError(f"chronyc tracking: {key}: not a number: {text!r}") from None
-
-
-def parse_chrony_tracking(text: str) -> dict[str, Any]:
-    """`chronyc -n tracking` → numbers in seconds and ppm; offsets positive when the clock is fast."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields[key.strip()] = value.strip()
-    missing = [k for k in ("Reference ID", "Stratum", "Leap status") if k not in fields]
-    if missing:
-        raise ProbeParseError(f"chronyc tracking: no {', '.join(missing)} line in {text[:120]!r}")
-    out: dict[str, Any] = {
-        "reference_id": fields["Reference ID"],
-        "stratum": int(_number(fields["Stratum"], "Stratum")),
-        "leap_status": fields["Leap status"],
-    }
-    if "Ref time (UTC)" in fields:
-        out["ref_time_utc"] = fields["Ref time (UTC)"]
-    if "System time" in fields:
-        # "0.000006523 seconds slow of NTP time": slow means behind, a negative offset.
-        value = fields["System time"]
-        number = _number(value, "System time")
-        out["system_time_offset_seconds"] = -number if " slow" in value else number
-    if "Frequency" in fields:
-        value = fields["Frequency"]
-        number = _number(value, "Frequency")
-        out["frequency_ppm"] = -number if value.endswith("slow") else number
-    for key, name in {**_CHRONY_SECONDS, **_CHRONY_PPM}.items():
-        if key in fields:
-            out[name] = _number(fields[key], key)
-    return out
-
-
-def chrony_tracking(ctx: ProbeContext) -> tuple[dict[str, Any] | None, str]:
-    """(tracking data, parse error); (None, "") when chronyc is absent or chronyd does not answer."""
-    settings = ctx.config.time
-    if not settings.chronyc_command:
-        return None, ""
-    result = ctx.host.run(
-        [*settings.chronyc_command, "-n", "tracking"], timeout=min(settings.chronyc_timeout_seconds, ctx.remaining())
-    )
-    if not result.ok:  # not installed, timed out, "506 Cannot talk to daemon"
-        return None, ""
-    try:
-        return parse_chrony_tracking(result.stdout), ""
-    except ProbeParseError as exc:
-        return None, str(exc)
-
-
-# --- findings --------------------------------------------------------------------------------------
-
-HINT_UNSYNCED = (
+CLOCK_UNSYNCED = Reason(
+    "ClockUnsynced",
+    Status.WARN,
+    "the kernel clock is not disciplined (STA_UNSYNC / TIME_ERROR): nothing keeps it right; the status is "
+    "time.unsynced_status (warn by default); observed has maxerror_seconds, esterror_seconds, state, status, "
+    "and chrony when chronyd answers",
     "start or fix the time daemon on the node (systemctl status chronyd / systemd-timesyncd / ntpd; "
-    "chronyc sources) so the kernel clock is disciplined"
+    "chronyc tracking, chronyc sources) so the kernel clock is disciplined",
+    also=(Status.FAIL,),
 )
-HINT_SKEW = (
-    "the node's clock is off: check `chronyc tracking` and `chronyc sources`, make sure NTP (UDP 123) to the "
-    "servers is allowed, then step the clock (chronyc makestep)"
+CLOCK_SKEW = Reason(
+    "ClockSkew",
+    Status.WARN,
+    "the offset to an NTP server reaches warn_offset_seconds (warn) or fail_offset_seconds (fail)",
+    "the node's clock is off: check chronyc tracking and chronyc sources, make sure NTP (UDP 123) to the "
+    "servers is allowed, then step the clock (chronyc makestep)",
+    also=(Status.FAIL,),
 )
+NTP_SERVERS_DISAGREE = Reason(
+    "NtpServersDisagree",
+    Status.WARN,
+    "the NTP servers disagree with each other by fail_offset_seconds or more: this server is off the majority "
+    "(or there is no majority), so its offset does not judge the node",
+    "compare the servers (chronyc sources -v, ntpdate -q SERVER) and fix or remove the wrong one; a server "
+    "that is itself unsynchronised or stepped is the usual cause",
+)
+NTP_NO_ANSWER = Reason(
+    "NtpNoAnswer",
+    Status.UNKNOWN,
+    "the server gave no usable answer: timeout, refused, name not resolved, kiss-of-death (stratum 0, e.g. "
+    "RATE, DENY), stratum 16, leap indicator 3, or an origin timestamp that does not echo our request",
+    "check the server is reachable over UDP 123 from this node and is itself synchronised; replace a server "
+    "that sends kiss-of-death",
+)
+ADJTIMEX_FAILED = Reason(
+    "AdjtimexFailed",
+    Status.UNKNOWN,
+    "adjtimex(2) itself failed (e.g. blocked by a seccomp profile)",
+    "a seccomp profile may block adjtimex: run the agent with the RuntimeDefault seccomp profile",
+)
+CHRONY_PARSE_HINT = "report the chronyc version and output; the kernel and SNTP checks still apply"
+
+# Seconds kept after the NTP queries for chronyc and adjtimex.
+QUERY_MARGIN = 0.3
 
 
 def kernel_finding(
     clock: KernelClock,
-    answers: list[SntpAnswer],
-    warn_offset: float,
-    chrony: dict[str, Any] | None,
-    unsynced_status: str = "warn",
+    sources: NtpSources,
+    answered: dict[str, float],
+    unsynced_status: str,
+    chrony: dict[str, Any] | None = None,
 ) -> Finding:
-    """The kernel's discipline state. Unsynced is a warning only while an NTP server vouches for the clock
-    (|offset| below warn_offset_seconds): the time is right now, but nothing keeps it right."""
+    """The kernel's discipline state; the offsets are the servers' findings, only mentioned here."""
     observed = clock.observed()
     if chrony is not None:
         observed["chrony"] = chrony
+    observed["ntp_servers_from"] = sources.origin or "none"
+    if sources.files:
+        observed["ntp_config_files"] = sources.files
+    if sources.unreadable:
+        observed["ntp_config_unreadable"] = sources.unreadable
     if not clock.unsynced:
-        return Finding(
-            "time.sync",
-            "kernel",
-            Status.OK,
-            "OK",
+        message = (
             f"kernel clock synchronised (max error {clock.maxerror_us / 1000:.1f} ms, "
-            f"estimated error {clock.esterror_us / 1000:.1f} ms)",
-            observed=observed,
+            f"estimated error {clock.esterror_us / 1000:.1f} ms)"
         )
-    why = "STA_UNSYNC" if clock.status & STA_UNSYNC else "TIME_ERROR"
-    good = [a for a in answers if abs(a.offset) < warn_offset]
-    if good:
-        best = min(good, key=lambda a: abs(a.offset))
-        return Finding(
-            "time.sync",
-            "kernel",
-            Status.WARN,
-            "ClockUnsynced",
-            f"kernel clock not synchronised ({why}), though an NTP server agrees within "
-            f"{abs(best.offset) * 1000:.1f} ms",
-            HINT_UNSYNCED,
-            observed,
-        )
-    # With no NTP answer to measure against, an undisciplined clock is not yet a wrong clock: how bad it
-    # is stays the operator's call (time.unsynced_status). Measured disagreement is always a failure.
-    status = Status(unsynced_status) if not answers else Status.FAIL
-    return Finding(
-        "time.sync",
-        "kernel",
-        status,
-        "ClockUnsynced",
-        f"kernel clock not synchronised ({why}, max error {clock.maxerror_us / 1e6:g} s)"
-        + ("; no NTP server answered to measure its offset" if not answers else "; NTP servers disagree with it"),
-        HINT_UNSYNCED,
-        observed,
-    )
+        return SYNC.ok("kernel", message, observed)
+    message = f"kernel clock not synchronised ({clock.unsynced_why}, max error {clock.maxerror_us / 1e6:g} s)"
+    if answered:
+        closest = min(answered, key=lambda server: abs(answered[server]))
+        message += f"; closest NTP server {closest} puts it {abs(answered[closest]):.3f} s off"
+    elif sources.servers:
+        message += "; no NTP server answered to measure its offset"
+    else:
+        message += "; no NTP server in time.ntp_servers or in the host's chrony, ntpd or timesyncd config"
+    return SYNC.report(CLOCK_UNSYNCED, "kernel", message, observed, status=Status(unsynced_status))
 
 
-def server_finding(result: ServerResult, warn_offset: float, fail_offset: float) -> Finding:
+def server_observed(result: ServerResult) -> dict[str, Any]:
+    observed: dict[str, Any] = {"source": result.server.source}
+    if result.server.directive:
+        observed["directive"] = result.server.directive
+    if result.address:
+        observed["address"] = result.address
     answer = result.answer
-    observed: dict[str, Any] = {"address": result.address} if result.address else {}
-    if answer is None:
-        return Finding(
-            "time.sync",
-            result.server,
-            Status.UNKNOWN,
-            "NtpNoAnswer",
-            f"no usable answer from NTP server {result.server}: {result.error}",
-            "check the server is reachable over UDP 123 from this node and is itself synchronised",
-            {**observed, "error": result.error},
+    if answer is not None:
+        observed.update(
+            {
+                "offset_seconds": round(answer.offset, 6),
+                "delay_seconds": round(answer.delay, 6),
+                "stratum": answer.stratum,
+                "reference_id": answer.reference_id,
+            }
         )
-    observed.update(
-        {
-            "offset_seconds": round(answer.offset, 6),
-            "delay_seconds": round(answer.delay, 6),
-            "stratum": answer.stratum,
-            "reference_id": answer.reference_id,
-        }
-    )
+    else:
+        observed["error"] = result.error
+    return observed
+
+
+def server_finding(result: ServerResult, verdict: Verdict | None) -> Finding:
+    subject = result.server.entry
+    observed = server_observed(result)
+    answer = result.answer
+    if answer is None or verdict is None:
+        message = f"no usable answer from NTP server {subject}: {result.error}"
+        return SYNC.report(NTP_NO_ANSWER, subject, message, observed)
     magnitude = abs(answer.offset)
     direction = "behind" if answer.offset > 0 else "ahead of"
-    text = f"clock {magnitude:.3f} s {direction} {result.server} (stratum {answer.stratum})"
-    if magnitude >= fail_offset:
-        return Finding("time.sync", result.server, Status.FAIL, "ClockSkew", text, HINT_SKEW, observed)
-    if magnitude >= warn_offset:
-        return Finding("time.sync", result.server, Status.WARN, "ClockSkew", text, HINT_SKEW, observed)
-    return Finding(
-        "time.sync",
-        result.server,
-        Status.OK,
-        "OK",
-        f"clock within {magnitude * 1000:.1f} ms of {result.server} (stratum {answer.stratum})",
-        observed=observed,
-    )
+    text = f"clock {magnitude:.3f} s {direction} {subject} (stratum {answer.stratum})"
+    if verdict.kind is Kind.DISAGREE:
+        return SYNC.report(NTP_SERVERS_DISAGREE, subject, f"{text}, but {subject} is {verdict.note}", observed)
+    if verdict.kind is Kind.SKEW:
+        return SYNC.report(CLOCK_SKEW, subject, text, observed, status=verdict.status)
+    return SYNC.ok(subject, f"clock within {magnitude * 1000:.1f} ms of {subject} (stratum {answer.stratum})", observed)
+
+
+def server_samples(result: ServerResult) -> list[Sample]:
+    if result.answer is None:
+        return []
+    labels = {"server": result.server.entry}
+    return [
+        Sample(
+            "nodehealth_time_offset_seconds",
+            "Offset of the local clock from the NTP server (positive: local clock behind).",
+            result.answer.offset,
+            labels,
+        ),
+        Sample("nodehealth_time_ntp_delay_seconds", "Round-trip delay to the NTP server.", result.answer.delay, labels),
+    ]
+
+
+def kernel_samples(clock: KernelClock) -> list[Sample]:
+    return [
+        Sample(
+            "nodehealth_time_synced",
+            "1 when the kernel clock is synchronised (no STA_UNSYNC).",
+            0.0 if clock.unsynced else 1.0,
+        ),
+        Sample(
+            "nodehealth_time_max_error_seconds",
+            "Kernel clock maximum error (adjtimex maxerror).",
+            clock.maxerror_us / 1e6,
+        ),
+        Sample(
+            "nodehealth_time_estimated_error_seconds",
+            "Kernel clock estimated error (adjtimex esterror).",
+            clock.esterror_us / 1e6,
+        ),
+    ]
 
 
 @register
 class TimeProbe(Probe):
     name = "time"
     checks = ("time.sync",)
+    reasons = (CLOCK_UNSYNCED, CLOCK_SKEW, NTP_SERVERS_DISAGREE, NTP_NO_ANSWER, ADJTIMEX_FAILED, PARSE_ERROR)
     default_interval = 60.0
     default_timeout = 8.0
-    needs = "adjtimex(2) (unprivileged); UDP 123 to time.ntp_servers; chronyc (optional)"
+    needs = (
+        "adjtimex(2) (unprivileged); UDP 123 to the NTP servers; the host's chrony/ntpd/timesyncd config under "
+        "host.root when time.ntp_servers is empty; chronyc (optional)"
+    )
 
     def run(self, ctx: ProbeContext) -> ProbeOutput:
-        settings = ctx.config.time
+        settings = ctx.settings(TimeConfig)
+        sources = ntp_sources(list(settings.ntp_servers), ctx.host.root_path)
+        results = self._query(ctx, sources)
+        answered = {r.server.entry: r.answer.offset for r in results if r.answer is not None}
+        verdicts = judge_offsets(answered, settings.warn_offset_seconds, settings.fail_offset_seconds)
         out: ProbeOutput = []
-        setup_cache: list[ResolverSetup] = []
-
-        def dns_setup() -> ResolverSetup:
-            if not setup_cache:
-                setup_cache.append(make_resolver(ctx.host, ctx.config.network.dns))
-            return setup_cache[0]
-
-        if any(_needs_dns(entry) for entry in settings.ntp_servers):
-            dns_setup()  # once, before the threads
-        budget = max(0.1, min(settings.ntp_timeout_seconds, ctx.remaining() - 0.3))
-        dns_timeout = ctx.config.network.dns.timeout_seconds
-        jobs = [
-            (lambda entry=entry: query_server(entry, budget, dns_setup, dns_timeout)) for entry in settings.ntp_servers
-        ]
-        results = run_parallel(jobs, budget + 0.5)
-        answers: list[SntpAnswer] = []
-        for entry, result in zip(settings.ntp_servers, results, strict=True):
-            result = result or ServerResult(entry, None, "the query did not finish in time")
-            out.append(server_finding(result, settings.warn_offset_seconds, settings.fail_offset_seconds))
-            if result.answer is not None:
-                answers.append(result.answer)
-                labels = {"server": entry}
-                out.append(
-                    Sample(
-                        "nodehealth_time_offset_seconds",
-                        "Offset of the local clock from the NTP server (positive: local clock behind).",
-                        result.answer.offset,
-                        labels,
-                    )
-                )
-                out.append(
-                    Sample(
-                        "nodehealth_time_ntp_delay_seconds",
-                        "Round-trip delay to the NTP server.",
-                        result.answer.delay,
-                        labels,
-                    )
-                )
+        for result in results:
+            out.append(server_finding(result, verdicts.get(result.server.entry)))
+            out.extend(server_samples(result))
         chrony, chrony_error = chrony_tracking(ctx)
         if chrony_error:
-            out.append(
-                Finding(
-                    "time.sync",
-                    "chrony",
-                    Status.UNKNOWN,
-                    "ParseError",
-                    f"cannot read chronyc tracking output: {chrony_error}",
-                    "report the chronyc version and output; the kernel and SNTP checks still apply",
-                )
-            )
+            message = f"cannot read chronyc tracking output: {chrony_error}"
+            out.append(SYNC.report(PARSE_ERROR, "chrony", message, hint=CHRONY_PARSE_HINT))
         try:
             clock = read_kernel_clock()
         except OSError as exc:
-            out.append(
-                Finding(
-                    "time.sync",
-                    "kernel",
-                    Status.UNKNOWN,
-                    "AdjtimexFailed",
-                    f"adjtimex(2) failed: {exc.strerror}",
-                    "a seccomp profile may block adjtimex: run the agent with the RuntimeDefault profile",
-                )
-            )
+            out.append(SYNC.report(ADJTIMEX_FAILED, "kernel", f"adjtimex(2) failed: {exc.strerror}"))
             return out
-        out.append(kernel_finding(clock, answers, settings.warn_offset_seconds, chrony, settings.unsynced_status))
-        out.append(
-            Sample(
-                "nodehealth_time_synced",
-                "1 when the kernel clock is synchronised (no STA_UNSYNC).",
-                0.0 if clock.unsynced else 1.0,
-            )
-        )
-        out.append(
-            Sample(
-                "nodehealth_time_max_error_seconds",
-                "Kernel clock maximum error (adjtimex maxerror).",
-                clock.maxerror_us / 1e6,
-            )
-        )
-        out.append(
-            Sample(
-                "nodehealth_time_estimated_error_seconds",
-                "Kernel clock estimated error (adjtimex esterror).",
-                clock.esterror_us / 1e6,
-            )
-        )
+        out.append(kernel_finding(clock, sources, answered, settings.unsynced_status, chrony))
+        out.extend(kernel_samples(clock))
         return out
 
+    def _query(self, ctx: ProbeContext, sources: NtpSources) -> list[ServerResult]:
+        """Every server in parallel, each bounded by ntp_timeout_seconds cut to what the run has left."""
+        settings = ctx.settings(TimeConfig)
+        dns_settings = ctx.settings(NetworkConfig).dns
+        resolver: list[ResolverSetup] = []
 
-def _needs_dns(entry: str) -> bool:
-    host, _ = split_host_port(entry, 123)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return True
-    return False
+        def dns_setup() -> ResolverSetup:
+            if not resolver:
+                resolver.append(make_resolver(ctx.host, dns_settings))
+            return resolver[0]
+
+        if any(not is_ip_address(server.host) for server in sources.servers):
+            dns_setup()  # once, before the threads
+        budget = max(0.1, min(settings.ntp_timeout_seconds, ctx.remaining() - QUERY_MARGIN))
+        jobs = [
+            (lambda server=server: query_server(server, budget, dns_setup, dns_settings.timeout_seconds))
+            for server in sources.servers
+        ]
+        results = run_parallel(jobs, min(budget + 0.5, ctx.remaining() - QUERY_MARGIN / 3))
+        return [
+            result or ServerResult(server, None, "the query did not finish in time")
+            for server, result in zip(sources.servers, results, strict=True)
+        ]

@@ -43,12 +43,14 @@ class ZoneResolver(BaseResolver):
         self.nxdomain = {name.rstrip(".").lower() for name in nxdomain}
         self.servfail = {name.rstrip(".").lower() for name in servfail}
         self.delay = delay
+        self.queries: list[str] = []  # every name asked, in order (lower case, no final dot)
 
     def resolve(self, request: DNSRecord, handler: Any) -> DNSRecord:
         if self.delay:
             time.sleep(self.delay)
         reply = request.reply()
         qname = str(request.q.qname).rstrip(".").lower()
+        self.queries.append(qname)
         if qname in self.servfail:
             reply.header.rcode = RCODE.SERVFAIL
         elif qname in self.a_records:
@@ -112,6 +114,8 @@ class SntpTestServer:
         wrong_origin: bool = False,
         reference_id: bytes = b"\x7f\x00\x00\x01",
         mode: int = 4,
+        host: str = LOOPBACK,
+        port: int = 0,
     ) -> None:
         self.skew = skew
         self.stratum = stratum
@@ -120,7 +124,8 @@ class SntpTestServer:
         self.reference_id = reference_id
         self.mode = mode
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((LOOPBACK, 0))
+        self.sock.bind((host, port))
+        self.host: str = host
         self.port: int = self.sock.getsockname()[1]
         self.queries = 0
         self._stop = threading.Event()
@@ -129,7 +134,7 @@ class SntpTestServer:
 
     @property
     def address(self) -> str:
-        return f"{LOOPBACK}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -199,6 +204,39 @@ class TcpAcceptServer:
         self.sock.close()
 
 
+class SilentTcpServer:
+    """Accepts TCP connections and holds them open without ever sending a byte: a TLS handshake or an HTTP
+    request to it hangs until the client gives up (a server or middlebox that swallows the traffic)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((LOOPBACK, 0))
+        self.sock.listen(128)
+        self.port: int = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.sock], [], [], 0.1)
+            if ready:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                self.accepted.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        for conn in self.accepted:
+            conn.close()
+        self.sock.close()
+
+
 def refused_port() -> int:
     """A loopback port with nothing listening (bound then released, so it is not ephemeral-in-use)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -239,6 +277,9 @@ class _StatusHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
+        delay = self.server.delays.get(self.path, 0.0)  # type: ignore[attr-defined]
+        if delay:
+            time.sleep(delay)
         status = self.server.statuses.get(self.path, 404)  # type: ignore[attr-defined]
         body = f"status {status}\n".encode()
         self.send_response(status)
@@ -259,11 +300,15 @@ class _QuietHttpServer(http.server.ThreadingHTTPServer):
 
 
 class HttpTestServer:
-    """HTTP (or HTTPS with `tls=(cert, key)`) answering each path in `statuses` with that status."""
+    """HTTP (or HTTPS with `tls=(cert, key)`) answering each path in `statuses` with that status, after
+    `delays[path]` seconds for the paths listed there (a slow mirror)."""
 
-    def __init__(self, statuses: dict[str, int], tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(
+        self, statuses: dict[str, int], tls: tuple[Path, Path] | None = None, delays: dict[str, float] | None = None
+    ) -> None:
         self._server = _QuietHttpServer((LOOPBACK, 0), _StatusHandler)
         self._server.statuses = statuses  # type: ignore[attr-defined]
+        self._server.delays = delays or {}  # type: ignore[attr-defined]
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(str(tls[0]), str(tls[1]))

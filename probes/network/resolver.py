@@ -1,0 +1,220 @@
+"""Name resolution for the network and time probes: dnspython against the host's resolver (its resolv.conf
+under host.root, or explicit nameservers) or the pod's own resolv.conf, and /etc/hosts.
+
+Never getaddrinfo: glibc blocks uncancellably for timeout x attempts x nameservers x search domains, so a
+lookup could outlive the probe's deadline. dnspython takes a lifetime, which every caller cuts to what the
+probe run has left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import dns.exception
+import dns.name
+import dns.nameserver
+import dns.rdatatype
+import dns.resolver
+
+from probes.runtime.addresses import split_host_port
+
+if TYPE_CHECKING:
+    from probes.network.config import DnsConfig
+    from probes.runtime.host import Host
+
+# dnspython overshoots its lifetime by its backoff sleep (measured up to 0.4 s): keep this much in hand.
+DNS_LIFETIME_HEADROOM = 0.5
+# Below this a lookup cannot even get one try out: it is not started.
+MIN_LIFETIME = 0.1
+SYSTEMD_RESOLVED_STUB = "127.0.0.53"
+
+
+def in_kubernetes_pod() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+@dataclass(frozen=True)
+class ResolverSetup:
+    resolver: dns.resolver.Resolver | None
+    source: str  # "network.dns.nameservers" or the resolv.conf path used
+    nameservers: tuple[str, ...]
+    error: str = ""  # why there is no resolver (no nameserver configured)
+    # Expand relative names with the resolv.conf search list (cluster names: kubernetes.default.svc).
+    search: bool = False
+
+    def new_resolver(self) -> dns.resolver.Resolver:
+        """A private copy for one thread (resolve_name sets its timeouts; resolvers are not thread-safe)."""
+        if self.resolver is None:
+            raise ValueError(f"no resolver: {self.error}")
+        resolver = dns.resolver.Resolver(configure=False)
+        resolver.nameservers = list(self.resolver.nameservers)
+        resolver.search = list(self.resolver.search)
+        resolver.domain = self.resolver.domain
+        resolver.ndots = self.resolver.ndots
+        return resolver
+
+
+def resolver_from_nameservers(entries: Sequence[str]) -> dns.resolver.Resolver:
+    resolver = dns.resolver.Resolver(configure=False)
+    servers: list[dns.nameserver.Nameserver] = []
+    for entry in entries:
+        address, port = split_host_port(entry, 53)
+        servers.append(dns.nameserver.Do53Nameserver(address, port))
+    resolver.nameservers = servers
+    return resolver
+
+
+def host_resolv_conf(host: Host) -> Path:
+    """The host's resolv.conf, or systemd-resolved's upstream list when the host file names only its stub."""
+    path = host.root_path("/etc/resolv.conf")
+    with contextlib.suppress(OSError):
+        servers = [
+            line.split()[1]
+            for line in path.read_text().splitlines()
+            if line.strip().startswith("nameserver") and len(line.split()) > 1
+        ]
+        upstream = host.root_path("/run/systemd/resolve/resolv.conf")
+        if servers and all(s == SYSTEMD_RESOLVED_STUB for s in servers) and upstream.is_file():
+            return upstream
+    return path
+
+
+def resolver_from_file(path: Path, search: bool = False) -> ResolverSetup:
+    try:
+        resolver = dns.resolver.Resolver(filename=str(path))
+    except dns.resolver.NoResolverConfiguration as exc:
+        return ResolverSetup(None, str(path), (), error=f"no nameserver in {path} ({exc})", search=search)
+    return ResolverSetup(resolver, str(path), tuple(str(ns) for ns in resolver.nameservers), search=search)
+
+
+def make_resolver(host: Host, settings: DnsConfig) -> ResolverSetup:
+    """The host's resolver: `network.dns.nameservers` when set, else the host's resolv.conf (under host.root)."""
+    if settings.nameservers:
+        resolver = resolver_from_nameservers(settings.nameservers)
+        return ResolverSetup(resolver, "network.dns.nameservers", tuple(settings.nameservers))
+    return resolver_from_file(host_resolv_conf(host))
+
+
+def pod_resolver(settings: DnsConfig) -> ResolverSetup:
+    """The pod's own resolver (cluster DNS under dnsPolicy ClusterFirstWithHostNet), with its search list."""
+    return resolver_from_file(Path(settings.cluster_resolv_conf), search=True)
+
+
+@dataclass(frozen=True)
+class DnsOutcome:
+    name: str
+    addresses: tuple[str, ...]
+    duration: float
+    # "", "nxdomain", "servfail", "refused", "no_nameserver", "timeout", "no_answer", "error"
+    kind: str = ""
+    detail: str = ""
+    resolved_as: str = ""  # the fully qualified name that answered (after search-list expansion)
+
+    @property
+    def ok(self) -> bool:
+        return not self.kind
+
+
+DNS_KIND_TEXT = {
+    "nxdomain": "NXDOMAIN",
+    "servfail": "SERVFAIL",
+    "refused": "REFUSED",
+    "no_nameserver": "no nameserver",
+    "timeout": "timeout",
+    "no_answer": "no address record",
+    "error": "error",
+}
+
+
+def _server_errors(errors: Iterable[Any]) -> tuple[set[str], str]:
+    """rcodes and a short text from dnspython's NoNameservers / LifetimeTimeout `errors` list."""
+    rcodes: set[str] = set()
+    parts: list[str] = []
+    for item in errors:
+        server, _tcp, port, err = item[0], item[1], item[2], item[3]
+        text = err if isinstance(err, str) else (f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
+        if isinstance(err, str):
+            rcodes.add(err)
+        # str(Do53Nameserver) is "Do53:10.0.0.10@53".
+        where = str(server).removeprefix("Do53:").replace("@", ":") if "@" in str(server) else f"{server}:{port}"
+        parts.append(f"{where} {text}")
+    return rcodes, "; ".join(dict.fromkeys(parts))
+
+
+def _lookup(
+    resolver: dns.resolver.Resolver, name: str, deadline: float, lifetime: float, search: bool
+) -> tuple[list[str], str]:
+    """A, then AAAA when there is no A record: (addresses, the name that answered)."""
+    for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+        left = deadline - time.monotonic()
+        if left <= 0.05:
+            raise dns.resolver.LifetimeTimeout(timeout=lifetime, errors=[])
+        try:
+            answer = resolver.resolve(name, rdtype, search=search, lifetime=left)
+        except dns.resolver.NoAnswer:
+            continue
+        addresses = [str(rr) for rr in answer]
+        if addresses:
+            return addresses, answer.qname.to_text(omit_final_dot=True)
+    return [], ""
+
+
+def resolve_name(
+    resolver: dns.resolver.Resolver, name: str, timeout: float, lifetime: float, search: bool = False
+) -> DnsOutcome:
+    """A then AAAA for one name, bounded by `lifetime` (plus dnspython's overshoot); errors classified.
+
+    With `search`, a relative name is expanded with the resolver's search list as the C library does
+    (ndots decides whether the name is first tried as is).
+    """
+    resolver.timeout = min(timeout, lifetime)
+    resolver.lifetime = lifetime
+    started = time.monotonic()
+    try:
+        addresses, resolved_as = _lookup(resolver, name, started + lifetime, lifetime, search)
+    except dns.resolver.NXDOMAIN:
+        return DnsOutcome(name, (), time.monotonic() - started, "nxdomain", "the name does not exist")
+    except dns.resolver.NoNameservers as exc:
+        rcodes, text = _server_errors(exc.kwargs.get("errors") or [])
+        kind = "servfail" if "SERVFAIL" in rcodes else "refused" if "REFUSED" in rcodes else "error"
+        return DnsOutcome(name, (), time.monotonic() - started, kind, text or str(exc))
+    except dns.exception.Timeout as exc:
+        _, text = _server_errors(exc.kwargs.get("errors") or [])
+        return DnsOutcome(name, (), time.monotonic() - started, "timeout", text)
+    except dns.exception.DNSException as exc:
+        return DnsOutcome(name, (), time.monotonic() - started, "error", f"{type(exc).__name__}: {exc}")
+    duration = time.monotonic() - started
+    if not addresses:
+        return DnsOutcome(name, (), duration, "no_answer", "no A or AAAA record")
+    return DnsOutcome(name, tuple(addresses), duration, resolved_as=resolved_as)
+
+
+def parse_hosts_file(text: str) -> dict[str, list[str]]:
+    """/etc/hosts → lower-case name → addresses in file order."""
+    names: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        if len(fields) < 2:
+            continue
+        try:
+            ipaddress.ip_address(fields[0].split("%", 1)[0])
+        except ValueError:
+            continue
+        for name in fields[1:]:
+            names.setdefault(name.lower(), []).append(fields[0])
+    return names
+
+
+def is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
