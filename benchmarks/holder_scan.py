@@ -5,12 +5,13 @@ Spawns PROCESSES processes holding FDS open files each (regular files, pipes, so
 hold device nodes mknod'ed in a temp dev dir (davinci0, davinci1, davinci_manager), and one holds a
 mknod'ed copy of davinci0 in another directory: same major:minor, different inode, like the node runc
 creates in a container's /dev. `fuser` and `lsof` match by inode, so they miss that holder; the scan,
-which matches S_ISCHR + st_rdev, finds it.
+which matches S_ISCHR + st_rdev, finds it. The scan is also timed in-process with statx(AT_STATX_DONT_SYNC),
+what the agent uses, and with plain stat(2), the old way, to show what never blocking on a hung mount costs.
 
     sudo python benchmarks/holder_scan.py [--processes 2000] [--fds 50] [--repeat 5]
 
 Needs root (mknod), psmisc (`fuser`) and lsof. Every spawned process is killed and reaped at the end.
-Budget (DESIGN.md): faster than fuser over the same device list.
+Budget: faster than fuser over the same device list.
 """
 
 from __future__ import annotations
@@ -31,17 +32,24 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from probes.runtime.host import Host
-from probes.runtime.procfs import device_rdevs, scan_fds_in_child, scan_open_files
+from probes.runtime.procfs import STATX_AVAILABLE, device_rdevs, scan_in_process, scan_open_files
 
 # Device nodes copied by major:minor from the host's memory devices: they open on any Linux.
 DEVICES = {"davinci0": "/dev/full", "davinci1": "/dev/random", "davinci_manager": "/dev/zero"}
 DEVICE_PATTERNS = ["davinci[0-9]*", "davinci_manager"]
 T = TypeVar("T")
+JSON_KEYS = {
+    "ours: scan_open_files (fork+scan)": "ours_seconds",
+    "ours: in-process, statx": "ours_inprocess_statx_seconds",
+    "ours: in-process, plain stat": "ours_inprocess_stat_seconds",
+    "fuser DEVICES": "fuser_seconds",
+    "lsof -t DEVICES": "lsof_seconds",
+}
 
 
 def spawner_main(work: Path, processes: int, fds: int, holders: int) -> None:
@@ -113,8 +121,102 @@ def median_seconds(fn: Callable[[], T], repeat: int) -> tuple[float, T]:
     return statistics.median(times), result
 
 
-def pids_of(text: str) -> set[int]:
-    return {int(tok) for tok in text.split() if tok.isdigit()}
+def pids_of(text: str | None) -> set[int]:
+    return {int(tok) for tok in (text or "").split() if tok.isdigit()}
+
+
+def run_tool(argv: list[str], timeout: float) -> str | None:
+    """A baseline tool's stdout, or None when it did not finish: fuser and lsof stat every open file and
+    mount, so a hung FUSE/NFS mount on the machine blocks them (the very thing the scan must survive)."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def measure(args: argparse.Namespace, work: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Time our scan (forked scanners, and in-process with statx and with plain stat), fuser and lsof."""
+    host = Host()
+    rdevs = device_rdevs(work / "dev", DEVICE_PATTERNS)
+    device_args = [str(work / "dev" / name) for name in DEVICES]
+    fuser, lsof = shutil.which("fuser") or "fuser", shutil.which("lsof") or "lsof"
+    ours_seconds, ours = median_seconds(lambda: scan_open_files(host, rdevs=rdevs, timeout=120), args.repeat)
+    inproc_seconds, _ = median_seconds(
+        lambda: scan_in_process(str(host.proc), frozenset(rdevs), frozenset(), frozenset()), args.repeat
+    )
+    plain_seconds, _ = median_seconds(
+        lambda: scan_in_process(str(host.proc), frozenset(rdevs), frozenset(), frozenset(), use_statx=False),
+        args.repeat,
+    )
+    fuser_seconds, fuser_out = median_seconds(lambda: run_tool([fuser, *device_args], args.tool_timeout), args.repeat)
+    lsof_seconds, lsof_out = median_seconds(
+        lambda: run_tool([lsof, "-n", "-P", "-w", "-t", *device_args], args.tool_timeout), max(1, args.repeat // 2)
+    )
+    spawned = set(info["children"])
+    return {
+        "hung": [name for name, out in (("fuser DEVICES", fuser_out), ("lsof -t DEVICES", lsof_out)) if out is None],
+        "ours": ours,
+        "device_args": device_args,
+        "seconds": {
+            "ours: scan_open_files (fork+scan)": ours_seconds,
+            "ours: in-process, statx": inproc_seconds,
+            "ours: in-process, plain stat": plain_seconds,
+            "fuser DEVICES": fuser_seconds,
+            "lsof -t DEVICES": lsof_seconds,
+        },
+        "found": {
+            "ours: scan_open_files (fork+scan)": {m.pid for m in ours.matches} & spawned,
+            "fuser DEVICES": pids_of(fuser_out) & spawned,
+            "lsof -t DEVICES": pids_of(lsof_out) & spawned,
+        },
+    }
+
+
+def report(work: Path, info: dict[str, Any], measured: dict[str, Any], spawn_seconds: float) -> bool:
+    """Print the table and a JSON line; True when ours found every holder and beat fuser."""
+    roles: dict[str, list[int]] = info["roles"]
+    ours, seconds, found = measured["ours"], measured["seconds"], measured["found"]
+    expected = {pid for pids in roles.values() for pid in pids}
+    copy_holder = roles["copy"][0]
+    copy_match = [m for m in ours.matches if m.pid == copy_holder]
+    base = seconds["ours: scan_open_files (fork+scan)"]
+    print(f"processes on the host:  {ours.processes}, fds: {ours.fds}  (spawned in {spawn_seconds:.1f} s)")
+    print(f"device list:            {', '.join(measured['device_args'])}")
+    print(f"holders spawned:        {len(expected)} (one holds the mknod'ed copy {work}/container-dev/davinci0)")
+    print(f"{'method':<36} {'median s':>9} {'ratio':>7} {'holders found':>14}")
+    for name, value in seconds.items():
+        count = len(found[name]) if name in found else ""
+        timed_out = " (did not finish: a hung mount?)" if name in measured["hung"] else ""
+        print(f"{name:<36} {value:>9.3f} {value / base:>6.2f}x {count:>14}{timed_out}")
+    fuser_pids, lsof_pids = found["fuser DEVICES"], found["lsof -t DEVICES"]
+    ours_pids = found["ours: scan_open_files (fork+scan)"]
+    print(f"fuser finds the copy's holder (pid {copy_holder}): {copy_holder in fuser_pids}")
+    print(f"lsof finds the copy's holder:  {copy_holder in lsof_pids}")
+    print(f"ours finds it:                 {bool(copy_match)} {[(m.fd, m.target) for m in copy_match]}")
+    print(f"ours found every holder: {expected <= ours_pids}; missed by fuser: {sorted(expected - fuser_pids)}")
+    summary = {
+        "processes": ours.processes,
+        "fds": ours.fds,
+        "statx": STATX_AVAILABLE,
+        **{JSON_KEYS[name]: round(value, 4) for name, value in seconds.items()},
+        "fuser_over_ours": round(seconds["fuser DEVICES"] / base, 2),
+        "lsof_over_ours": round(seconds["lsof -t DEVICES"] / base, 2),
+        "fuser_missed_copy": copy_holder not in fuser_pids,
+        "baselines_hung": measured["hung"],
+        "ours_found_all": expected <= ours_pids,
+    }
+    print(json.dumps(summary))
+    return expected <= ours_pids and base < seconds["fuser DEVICES"]
+
+
+def prepare(work: Path) -> None:
+    for sub in ("dev", "container-dev", "files"):
+        (work / sub).mkdir()
+    for name, source in DEVICES.items():
+        os.mknod(work / "dev" / name, 0o666 | stat.S_IFCHR, os.stat(source).st_rdev)
+    os.mknod(work / "container-dev" / "davinci0", 0o666 | stat.S_IFCHR, os.stat(DEVICES["davinci0"]).st_rdev)
+    for i in range(16):
+        (work / "files" / f"f{i}").write_bytes(b"x")
 
 
 def main() -> int:
@@ -123,6 +225,7 @@ def main() -> int:
     parser.add_argument("--fds", type=int, default=50)
     parser.add_argument("--holders", type=int, default=24, help="processes holding a device (besides the copy)")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tool-timeout", type=float, default=300.0, help="seconds before fuser/lsof count as hung")
     parser.add_argument("--spawner", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.spawner:
@@ -131,25 +234,16 @@ def main() -> int:
     if os.geteuid() != 0:
         print("needs root (mknod)", file=sys.stderr)
         return 2
-    fuser, lsof = shutil.which("fuser"), shutil.which("lsof")
-    if not fuser or not lsof:
+    if not shutil.which("fuser") or not shutil.which("lsof"):
         print("needs fuser (psmisc) and lsof on PATH", file=sys.stderr)
         return 2
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < args.fds + 64:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, args.fds + 64), hard))
-
     work = Path(tempfile.mkdtemp(prefix="holder-scan-"))
     spawner: subprocess.Popen[str] | None = None
     try:
-        for sub in ("dev", "container-dev", "files"):
-            (work / sub).mkdir()
-        for name, source in DEVICES.items():
-            os.mknod(work / "dev" / name, 0o666 | stat.S_IFCHR, os.stat(source).st_rdev)
-        os.mknod(work / "container-dev" / "davinci0", 0o666 | stat.S_IFCHR, os.stat(DEVICES["davinci0"]).st_rdev)
-        for i in range(16):
-            (work / "files" / f"f{i}").write_bytes(b"x")
-
+        prepare(work)
         started = time.perf_counter()
         spawner = subprocess.Popen(
             [
@@ -162,67 +256,7 @@ def main() -> int:
         )
         assert spawner.stdout is not None
         info = json.loads(spawner.stdout.readline())
-        roles: dict[str, list[int]] = info["roles"]
-        spawn_seconds = time.perf_counter() - started
-
-        host = Host()
-        rdevs = device_rdevs(work / "dev", DEVICE_PATTERNS)
-        device_args = [str(work / "dev" / name) for name in DEVICES]
-
-        ours_seconds, ours = median_seconds(lambda: scan_open_files(host, rdevs=rdevs, timeout=120), args.repeat)
-        inproc_seconds, _ = median_seconds(
-            lambda: scan_fds_in_child(str(host.proc), frozenset(rdevs), frozenset(), frozenset()), args.repeat
-        )
-        fuser_seconds, fuser_out = median_seconds(
-            lambda: subprocess.run([fuser, *device_args], capture_output=True, text=True, timeout=600), args.repeat
-        )
-        lsof_seconds, lsof_out = median_seconds(
-            lambda: subprocess.run([lsof, "-n", "-P", "-w", "-t", *device_args], capture_output=True, text=True),
-            max(1, args.repeat // 2),
-        )
-
-        spawned = set(info["children"])
-        ours_pids = {m.pid for m in ours.matches} & spawned
-        fuser_pids = pids_of(fuser_out.stdout) & spawned
-        lsof_pids = pids_of(lsof_out.stdout) & spawned
-        expected = {pid for pids in roles.values() for pid in pids}
-        copy_holder = roles["copy"][0]
-        copy_match = [m for m in ours.matches if m.pid == copy_holder]
-
-        print(f"processes on the host:  {ours.processes}, fds: {ours.fds}  (spawned in {spawn_seconds:.1f} s)")
-        print(f"device list:            {', '.join(device_args)}")
-        print(f"holders spawned:        {len(expected)} (one holds the mknod'ed copy {work}/container-dev/davinci0)")
-        print(f"{'method':<34} {'median s':>9} {'ratio':>7} {'holders found':>14}")
-        rows = [
-            ("ours: scan_open_files (fork+scan)", ours_seconds, ours_pids),
-            ("ours: scan in-process", inproc_seconds, None),
-            ("fuser DEVICES", fuser_seconds, fuser_pids),
-            ("lsof -t DEVICES", lsof_seconds, lsof_pids),
-        ]
-        for name, seconds, found in rows:
-            ratio = seconds / ours_seconds
-            print(f"{name:<34} {seconds:>9.3f} {ratio:>6.2f}x {'' if found is None else len(found):>14}")
-        print(f"fuser finds the copy's holder (pid {copy_holder}): {copy_holder in fuser_pids}")
-        print(f"lsof finds the copy's holder:  {copy_holder in lsof_pids}")
-        print(f"ours finds it:                 {bool(copy_match)} {[(m.fd, m.target) for m in copy_match]}")
-        print(f"ours found every holder: {expected <= ours_pids}; missed by fuser: {sorted(expected - fuser_pids)}")
-        print(
-            json.dumps(
-                {
-                    "processes": ours.processes,
-                    "fds": ours.fds,
-                    "ours_seconds": round(ours_seconds, 4),
-                    "ours_inprocess_seconds": round(inproc_seconds, 4),
-                    "fuser_seconds": round(fuser_seconds, 4),
-                    "lsof_seconds": round(lsof_seconds, 4),
-                    "fuser_over_ours": round(fuser_seconds / ours_seconds, 2),
-                    "lsof_over_ours": round(lsof_seconds / ours_seconds, 2),
-                    "fuser_missed_copy": copy_holder not in fuser_pids,
-                    "ours_found_all": expected <= ours_pids,
-                }
-            )
-        )
-        return 0 if expected <= ours_pids and ours_seconds < fuser_seconds else 1
+        return 0 if report(work, info, measure(args, work, info), time.perf_counter() - started) else 1
     finally:
         if spawner is not None:
             spawner.terminate()  # the spawner kills and reaps its children

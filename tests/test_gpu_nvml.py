@@ -11,94 +11,25 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.fake_nvml.build import LIBRARY_NAME, build_fake_nvml, device_config
+from support.fake_nvml.runner import GIB_80, run_probe
+from support.pod_cgroups import idle_devices, pod_cgroups
 from support.system import REPO, require, require_root
 
-RUNNER = r"""
-import json, sys
-from agent.config import parse_config
-from probes.runtime.host import Host
-from agent.scheduler import execute
-from probes.gpu.gpu import GpuProbe
-
-config = parse_config(json.loads(sys.argv[1]))
-host = Host(proc="/proc", dev=sys.argv[2])
-result, findings, samples = execute(GpuProbe(), host, config, 20.0)
-print(json.dumps({
-    "result": result,
-    "findings": [f.to_dict() for f in findings],
-    "samples": [{"name": s.name, "value": s.value, "labels": dict(s.labels), "kind": s.kind} for s in samples],
-    "pynvml_imported": "pynvml" in sys.modules,
-}))
-"""
-
-NO_SMI = ["/nonexistent/nvidia-smi"]
-GIB_80 = 81559
+# Every test here builds the fake NVML or nvidia-smi with gcc; some need root (mknod, cgroups, chroot) too.
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="session")
 def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     require(shutil.which("gcc") is not None or shutil.which("cc") is not None, "gcc to build the fake NVML")
     return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
-
-
-class Run:
-    def __init__(self, data: dict[str, Any], calls: list[str]) -> None:
-        self.result: str = data["result"]
-        self.findings: list[dict[str, Any]] = data["findings"]
-        self.samples: list[dict[str, Any]] = data["samples"]
-        self.pynvml_imported: bool = data["pynvml_imported"]
-        self.calls = calls
-
-    def finding(self, check: str, subject: str) -> dict[str, Any]:
-        found = [f for f in self.findings if f["check"] == check and f["subject"] == subject]
-        assert len(found) == 1, (check, subject, self.findings)
-        return found[0]
-
-    def sample(self, metric: str, /, **labels: str) -> float:
-        found = [
-            s for s in self.samples if s["name"] == metric and all(s["labels"].get(k) == v for k, v in labels.items())
-        ]
-        assert len(found) == 1, (metric, labels, found)
-        return found[0]["value"]
-
-
-def run_probe(
-    tmp_path: Path,
-    library_dir: Path | None,
-    config_text: str,
-    gpu_config: dict[str, Any] | None = None,
-    dev_dir: Path | None = None,
-) -> Run:
-    scenario = tmp_path / "fake-nvml.conf"
-    scenario.write_text(config_text)
-    log = tmp_path / "nvml-calls.log"
-    log.unlink(missing_ok=True)
-    dev = dev_dir or tmp_path / "dev"
-    dev.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "FAKE_NVML_CONFIG")}
-    env.update(PYTHONPATH=str(REPO), FAKE_NVML_CONFIG=str(scenario), FAKE_NVML_LOG=str(log))
-    if library_dir is not None:
-        env["LD_LIBRARY_PATH"] = str(library_dir)
-    config = {"gpu": {"smi_command": NO_SMI, **(gpu_config or {})}}
-    proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps(config), str(dev)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    calls = log.read_text().split() if log.exists() else []
-    return Run(json.loads(proc.stdout), calls)
 
 
 def test_healthy_gpus_every_check_ok_with_metrics_and_exactly_the_calls_the_fake_implements(
@@ -195,6 +126,7 @@ def test_faulty_gpus_each_fault_maps_to_its_reason(tmp_path: Path, fake_nvml: Pa
         "total_mib": GIB_80,
         "processes": [999999],
         "reasons": ["GpuMemoryLow"],
+        "device_ids": ["GPU-00000000-0000-0000-0000-000000000001"],
     }
     assert run.sample("nodehealth_gpu_retired_pages_total", gpu="4", cause="dbe") == 2
     assert run.sample("nodehealth_gpu_row_remap_failed", gpu="2") == 1
@@ -251,8 +183,9 @@ def test_lost_and_unopenable_gpus_and_expected_count_are_missing(tmp_path: Path,
     assert run.finding("gpu.health", "gpu0")["status"] == "ok"
 
 
-def _mknod(path: Path, source: str) -> None:
-    os.mknod(path, 0o600 | stat.S_IFCHR, os.stat(source).st_rdev)
+def _mknod(path: Path, node: str | tuple[int, int]) -> None:
+    rdev = os.stat(node).st_rdev if isinstance(node, str) else os.makedev(*node)
+    os.mknod(path, 0o600 | stat.S_IFCHR, rdev)
 
 
 def test_dev_nodes_without_an_nvml_gpu_are_missing(tmp_path: Path, fake_nvml: Path) -> None:
@@ -295,63 +228,44 @@ def test_nvml_library_path_from_config(tmp_path: Path, fake_nvml: Path) -> None:
 
 # --- holders ---------------------------------------------------------------------------------------
 
-POD_UID = "7d1c9e52-8a3b-4c6d-9e0f-1a2b3c4d5e6f"
-CONTAINER_ID = "cd" * 32
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-
 
 @pytest.fixture
 def holders(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """Real processes: A (host cgroup) holds dev/nvidia0; B (a pod's memory cgroup) holds dev/nvidia1;
+    """Real processes: A (host cgroup) holds dev/nvidia0; B (a pod's container cgroup) holds dev/nvidia1;
     C holds nothing (NVML will list it on GPU 0); D, named nvidia-persistenced, holds dev/nvidia0."""
-    require_root()
     dev = tmp_path / "holderdev"
     dev.mkdir()
-    try:
-        _mknod(dev / "nvidia0", "/dev/loop-control")
-        _mknod(dev / "nvidia1", "/dev/btrfs-control")
-        for name in ("nvidia0", "nvidia1"):
-            os.close(os.open(dev / name, os.O_RDONLY))
-    except OSError as exc:
-        require(False, f"mknod and open of device copies in {dev} ({exc})")
-    pod_cgroup = CGROUP_ROOT / "kubepods" / "burstable" / f"pod{POD_UID}" / CONTAINER_ID
-    require((CGROUP_ROOT / "cgroup.procs").exists(), "cgroup v1 memory hierarchy")
+    for name, node in zip(("nvidia0", "nvidia1"), idle_devices(2), strict=True):
+        _mknod(dev / name, node)
     hold = 'exec 3<"$0"; exec sleep 60'
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    created: list[Path] = []
-    try:
-        procs["A"] = subprocess.Popen(["bash", "-c", hold, str(dev / "nvidia0")])
-        procs["B"] = subprocess.Popen(["bash", "-c", hold, str(dev / "nvidia1")])
-        procs["C"] = subprocess.Popen(["sleep", "60"])
-        procs["D"] = subprocess.Popen(
-            ["bash", "-c", 'exec 3<"$0"; exec -a nvidia-persistenced sleep 60', str(dev / "nvidia0")]
-        )
-        for parent in reversed([pod_cgroup, *pod_cgroup.parents]):
-            if parent == CGROUP_ROOT or CGROUP_ROOT not in parent.parents:
-                continue
-            if not parent.exists():
-                parent.mkdir()
-                created.append(parent)
-        (pod_cgroup / "cgroup.procs").write_text(str(procs["B"].pid))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # until both bash wrappers have opened and exec'ed sleep
-            if all(len(os.listdir(f"/proc/{procs[k].pid}/fd")) > 3 for k in "ABD") and all(
-                Path(f"/proc/{procs[k].pid}/comm").read_text().strip() == "sleep" for k in "ABD"
-            ):
-                break
-            time.sleep(0.02)
-        yield {"dev": dev, "pids": {k: p.pid for k, p in procs.items()}}
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait(timeout=10)
-        for path in reversed(created):
-            for _ in range(50):
-                try:
-                    path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.05)
+    with pod_cgroups(1) as (pod,):
+        try:
+            procs["A"] = subprocess.Popen(["bash", "-c", hold, str(dev / "nvidia0")])
+            procs["B"] = subprocess.Popen(["bash", "-c", hold, str(dev / "nvidia1")])
+            procs["C"] = subprocess.Popen(["sleep", "60"])
+            procs["D"] = subprocess.Popen(
+                ["bash", "-c", 'exec 3<"$0"; exec -a nvidia-persistenced sleep 60', str(dev / "nvidia0")]
+            )
+            pod.add(procs["B"].pid)
+            _wait_exec(procs[k] for k in "ABD")
+            yield {"dev": dev, "pids": {k: p.pid for k, p in procs.items()}, "pod": pod}
+        finally:
+            for proc in procs.values():
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _wait_exec(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """Until the bash wrappers have opened their node and exec'ed sleep."""
+    pids = [proc.pid for proc in procs]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if all(len(os.listdir(f"/proc/{pid}/fd")) > 3 for pid in pids) and all(
+            Path(f"/proc/{pid}/comm").read_text().strip() == "sleep" for pid in pids
+        ):
+            return
+        time.sleep(0.02)
 
 
 def test_holders_fd_scan_merged_with_nvml_processes_classified_by_cgroup(
@@ -366,20 +280,130 @@ def test_holders_fd_scan_merged_with_nvml_processes_classified_by_cgroup(
     gpu0 = run.finding("gpu.holders", "gpu0")
     assert (gpu0["status"], gpu0["reason"], gpu0["device"]) == ("fail", "GpuHeldOutOfBand", 0)
     out_of_band = {h["pid"]: h for h in gpu0["observed"]["out_of_band"]}
-    assert set(out_of_band) >= {pids["A"], pids["C"]}
-    assert pids["D"] not in out_of_band
+    assert set(out_of_band) == {pids["A"], pids["C"]}
     assert out_of_band[pids["A"]]["sources"] == ["fd"]
     assert out_of_band[pids["C"]]["sources"] == ["nvml"]
     assert out_of_band[pids["A"]]["owner"].startswith("host cgroup")
+    assert out_of_band[pids["A"]]["executable"] == "sleep" and "command" not in out_of_band[pids["A"]]
     assert pids["D"] in {h["pid"] for h in gpu0["observed"]["allowed"]}
-    assert f"pid {pids['A']}" in gpu0["message"] and gpu0["hint"]
+    assert f"PID {pids['A']} (sleep)" in gpu0["message"] and f"PID {pids['C']} (sleep)" in gpu0["message"]
+    assert f"kill {pids['A']} {pids['C']}" in gpu0["hint"]
     gpu1 = run.finding("gpu.holders", "gpu1")
+    assert (gpu1["status"], gpu1["observed"]["pods"]) == ("ok", 1)
     in_pods = {h["pid"]: h for h in gpu1["observed"]["in_pods"]}
     assert in_pods[pids["B"]]["sources"] == ["fd", "nvml"]
-    assert POD_UID in in_pods[pids["B"]]["owner"]
-    assert pids["B"] not in {h["pid"] for h in gpu1["observed"]["out_of_band"]}
-    if not gpu1["observed"]["out_of_band"]:  # nothing else on this machine holds that device number
-        assert gpu1["status"] == "ok"
-    assert run.sample("nodehealth_gpu_out_of_band_holders", gpu="0") >= 2
+    assert holders["pod"].uid in in_pods[pids["B"]]["owner"]
+    assert run.sample("nodehealth_gpu_out_of_band_holders", gpu="0") == 2
+    assert run.sample("nodehealth_gpu_out_of_band_holders", gpu="1") == 0
     # Memory in use on GPU 0 with NVML listing a process: not a leak.
     assert run.finding("gpu.memory", "gpu0")["status"] == "ok"
+
+
+@pytest.fixture
+def two_pods(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Processes of two pods hold dev/nvidia0 (pod P0 also runs an MPS server); dev/nvidia1 has only P0's."""
+    dev = tmp_path / "sharedev"
+    dev.mkdir()
+    for name, node in zip(("nvidia0", "nvidia1"), idle_devices(2), strict=True):
+        _mknod(dev / name, node)
+    hold = 'exec 3<"$0"; exec sleep 60'
+    mps = 'exec 3<"$0"; exec -a nvidia-cuda-mps-server sleep 60'
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with pod_cgroups(3) as pods:
+        try:
+            procs["P0"] = subprocess.Popen(["bash", "-c", hold, str(dev / "nvidia0")])
+            procs["P1"] = subprocess.Popen(["bash", "-c", hold, str(dev / "nvidia0")])
+            procs["P0b"] = subprocess.Popen(["bash", "-c", hold, str(dev / "nvidia1")])
+            procs["MPS"] = subprocess.Popen(["bash", "-c", mps, str(dev / "nvidia1")])
+            for key, pod in (("P0", pods[0]), ("P1", pods[1]), ("P0b", pods[0]), ("MPS", pods[2])):
+                pod.add(procs[key].pid)
+            _wait_exec(procs.values())
+            yield {"dev": dev, "pids": {k: p.pid for k, p in procs.items()}, "pods": pods}
+        finally:
+            for proc in procs.values():
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_two_pods_on_one_gpu_fail_unless_sharing_is_allowed(
+    tmp_path: Path, fake_nvml: Path, two_pods: dict[str, Any]
+) -> None:
+    pids, pods = two_pods["pids"], two_pods["pods"]
+    run = run_probe(tmp_path, fake_nvml.parent, device_config({}, {}), dev_dir=two_pods["dev"])
+    shared = run.finding("gpu.holders", "gpu0")
+    assert (shared["status"], shared["reason"], shared["device"]) == ("fail", "GpuSharedByPods", 0)
+    assert shared["message"].startswith("gpu0 is held by 2 pods: ")
+    assert f"pod {pods[0].uid}: PID {pids['P0']} (sleep)" in shared["message"]
+    assert f"pod {pods[1].uid}: PID {pids['P1']} (sleep)" in shared["message"]
+    assert f"io.kubernetes.pod.uid={pods[1].uid}" in shared["hint"] and "gpu.shared_ok" in shared["hint"]
+    assert shared["observed"]["device_ids"] == ["GPU-00000000-0000-0000-0000-000000000000"]
+    # GPU 1: one pod's process and the MPS server (in a pod of its own): two holders, so shared.
+    mps = run.finding("gpu.holders", "gpu1")
+    assert (mps["status"], mps["reason"]) == ("fail", "GpuSharedByPods")
+    assert f"MPS server: PID {pids['MPS']} (nvidia-cuda-mps-server)" in mps["message"]
+    # Sharing on purpose: for every GPU, or for the listed ones.
+    allowed = run_probe(tmp_path, fake_nvml.parent, device_config({}, {}), {"shared_ok": [0]}, two_pods["dev"])
+    assert allowed.finding("gpu.holders", "gpu0")["status"] == "ok"
+    assert allowed.finding("gpu.holders", "gpu0")["observed"]["sharing_allowed"] is True
+    assert allowed.finding("gpu.holders", "gpu1")["reason"] == "GpuSharedByPods"
+    everywhere = run_probe(tmp_path, fake_nvml.parent, device_config({}, {}), {"shared_ok": True}, two_pods["dev"])
+    assert {everywhere.finding("gpu.holders", f"gpu{i}")["status"] for i in (0, 1)} == {"ok"}
+
+
+def test_mps_servers_count_as_one_holder(tmp_path: Path, fake_nvml: Path) -> None:
+    """Two MPS server processes in two pods hold one GPU with nothing else: one holder, not two pods."""
+    dev = tmp_path / "mpsdev"
+    dev.mkdir()
+    _mknod(dev / "nvidia0", idle_devices(1)[0])
+    mps = 'exec 3<"$0"; exec -a nvidia-cuda-mps-server sleep 60'
+    with pod_cgroups(2) as pods:
+        procs = [subprocess.Popen(["bash", "-c", mps, str(dev / "nvidia0")]) for _ in pods]
+        try:
+            for proc, pod in zip(procs, pods, strict=True):
+                pod.add(proc.pid)
+            _wait_exec(procs)
+            run = run_probe(tmp_path, fake_nvml.parent, device_config({}), dev_dir=dev)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=10)
+    held = run.finding("gpu.holders", "gpu0")
+    assert (held["status"], held["observed"]["pods"], len(held["observed"]["in_pods"])) == ("ok", 1, 2)
+
+
+def test_gpu_identity_in_findings_metrics_and_the_device_inventory(tmp_path: Path, fake_nvml: Path) -> None:
+    """Every finding about a GPU carries its UUID and its MIG devices' UUIDs (so /ready?devices=GPU-… and
+    MIG-… work); metrics carry pci_bus_id and uuid; the Bus-Ids go to the host's device inventory."""
+    mig = ["MIG-11111111-2222-3333-4444-555555555555", "MIG-66666666-7777-8888-9999-000000000000"]
+    text = device_config({"mig_uuid": mig, "ecc_uncorrected_volatile": 1}, {"error": "nvmlDeviceGetMigMode 3"})
+    run = run_probe(tmp_path, fake_nvml.parent, text)
+    gpu0 = "GPU-00000000-0000-0000-0000-000000000000"
+    for check in ("gpu.health", "gpu.throttle", "gpu.memory", "gpu.holders"):
+        assert run.finding(check, "gpu0")["observed"]["device_ids"] == [gpu0, *mig]
+        assert run.finding(check, "gpu1")["observed"]["device_ids"] == ["GPU-00000000-0000-0000-0000-000000000001"]
+    assert run.finding("gpu.health", "gpu0")["reason"] == "GpuEccUncorrectable"
+    assert "mig_mode" not in run.finding("gpu.health", "gpu1")["observed"].get("not_supported", [])
+    labels = {"gpu": "0", "uuid": gpu0, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
+    assert run.sample("nodehealth_gpu_temperature_celsius", **labels) == 35
+    assert sorted(run.devices) == [["gpu", 0, "gpu0", "0000:18:00.0"], ["gpu", 1, "gpu1", "0000:19:00.0"]]
+    assert {"nvmlDeviceGetMigMode", "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetMigDeviceHandleByIndex"} <= set(
+        run.calls
+    )
+
+
+def test_command_lines_of_holders_only_when_not_redacted(tmp_path: Path, fake_nvml: Path) -> None:
+    """NVML lists a process outside any pod: it is named by PID and executable; its argv (which may hold another
+    tenant's secrets) appears only with redact_cmdlines: false."""
+    secret = subprocess.Popen(["sleep", "60"])
+    try:
+        text = device_config({"compute_process": f"{secret.pid} 10", "memory_used_mib": 10})
+        redacted = run_probe(tmp_path, fake_nvml.parent, text)
+        shown = run_probe(tmp_path, fake_nvml.parent, text, top={"redact_cmdlines": False})
+    finally:
+        secret.kill()
+        secret.wait(timeout=10)
+    held = redacted.finding("gpu.holders", "gpu0")
+    assert held["reason"] == "GpuHeldOutOfBand" and f"PID {secret.pid} (sleep)" in held["message"]
+    assert "sleep 60" not in json.dumps(redacted.findings)
+    assert f"PID {secret.pid} (sleep 60)" in shown.finding("gpu.holders", "gpu0")["message"]
+    assert shown.finding("gpu.holders", "gpu0")["observed"]["out_of_band"][0]["command"] == "sleep 60"

@@ -426,3 +426,54 @@ def test_cli_check_only_gpu_end_to_end(tmp_path: Path) -> None:
     failing = [(f["check"], f["subject"], f["reason"]) for f in document["findings"] if f["status"] == "fail"]
     assert failing == [("gpu.health", "gpu1", "GpuRecoveryRequired")]
     assert len(document["findings"]) == 32
+
+
+def test_list_with_mig_devices_under_their_gpu() -> None:
+    text = (
+        "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
+        "  MIG 1g.5gb      Device  0: (UUID: MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f)\n"
+        "  MIG 1g.5gb      Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
+        "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-0b64e86a-a39a-9261-7e62-798d98e599af)\n"
+    )
+    listed, failures = parse_list(text)
+    assert failures == []
+    assert [(g.index, g.mig_uuids) for g in listed] == [
+        (0, ("MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f", "MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb")),
+        (1, ()),
+    ]
+
+
+# --- every fixture ---------------------------------------------------------------------------------
+
+# The captured outputs, each read by a test above that names it; the list is the directory's content.
+NVIDIA_SMI_FIXTURES = [
+    FULL_Q,
+    REMAP_PENDING_Q,
+    ECC_EXCERPT,
+    RETIRED_EXCERPT,
+    H100_CSV,
+    RECOVERY_CSV,
+    TABLE,
+    LIST_UNKNOWN_ERROR,
+    "dcgmi-health-c-j-Healthy-despite-reset-DCGM-issue263.txt",
+    "dcgmi-dmon-e230-xid120-DCGM-issue263.txt",
+]
+
+
+def test_every_fixture_is_listed() -> None:
+    present = {p.name for p in require_fixtures().joinpath("nvidia-smi").iterdir() if p.name != "SOURCES.md"}
+    assert present == set(NVIDIA_SMI_FIXTURES)
+
+
+@pytest.mark.parametrize("name", NVIDIA_SMI_FIXTURES)
+def test_every_parser_on_every_fixture_answers_or_raises_its_own_error(name: str) -> None:
+    """No parser crashes on any captured output: it parses it or raises SmiParseError (a ParseError finding)."""
+    text = fixture(name)
+    answered = 0
+    for parse in (parse_query, parse_table, parse_list, parse_csv, parse_gpu_sections):
+        try:
+            parse(text)
+            answered += 1
+        except SmiParseError:
+            continue
+    assert answered >= 1 or name.startswith("dcgmi-")  # DCGM's outputs are no nvidia-smi output at all

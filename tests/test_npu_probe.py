@@ -1,60 +1,24 @@
-"""The npu probe end to end: a fake `npu-smi` on PATH answering from captured outputs, device nodes made with
-mknod in a temp dev dir, real child processes holding them, and real cgroups."""
+"""The npu probe end to end: a fake `npu-smi` on PATH answering from captured outputs (every layout, failures,
+health details, HBM), device nodes made with mknod in a temp dev dir, and the CLI. Holders: test_npu_holders.py."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import stat
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from support.system import REPO, require, require_fixtures, require_root, require_tool
+from support.fake_npu_smi import FakeSmi, context, make_dev, npu_fixture, run_probe, sample, table
+from support.system import REPO, require_root, require_tool
 
-from agent.config import parse_config
-from probes.base import OBSERVED_HBM_FREE_MIB, Finding, ProbeContext, Sample, Status
+from probes.base import OBSERVED_HBM_FREE_MIB, Status
 from probes.npu.npu import NpuProbe
-from probes.runtime.host import Host
-from probes.runtime.procfs import classify_cgroup
-
-FAKE = REPO / "tests" / "support" / "fake_npu_smi.py"
-
-
-def npu_fixture(name: str) -> Path:
-    return require_fixtures() / "npu-smi" / name
-
-
-class FakeSmi:
-    """A fake `npu-smi` executable on PATH, answering from a JSON spec the test writes."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.bin = root / "bin"
-        self.bin.mkdir(parents=True)
-        self.spec = root / "spec.json"
-        self.log = root / "calls.log"
-        script = self.bin / "npu-smi"
-        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "{self.spec}" "$@"\n')
-        script.chmod(0o755)
-        self.answer({})
-
-    def answer(self, responses: dict[str, dict[str, Any]], default: dict[str, Any] | None = None) -> None:
-        spec: dict[str, Any] = {"responses": responses, "log": str(self.log)}
-        if default is not None:
-            spec["default"] = default
-        self.spec.write_text(json.dumps(spec))
-        self.log.write_text("")
-
-    def calls(self) -> list[str]:
-        return self.log.read_text().splitlines()
 
 
 @pytest.fixture
@@ -62,59 +26,6 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSmi:
     smi = FakeSmi(tmp_path / "fake")
     monkeypatch.setenv("PATH", f"{smi.bin}{os.pathsep}{os.environ.get('PATH', '')}")
     return smi
-
-
-def table(name: str) -> dict[str, Any]:
-    return {"stdout_file": str(npu_fixture(name))}
-
-
-def make_dev(root: Path, nodes: dict[str, tuple[int, int]]) -> Path:
-    """A temp dev dir with character device nodes name → (major, minor)."""
-    require_root()
-    root.mkdir(parents=True, exist_ok=True)
-    for name, (major, minor) in nodes.items():
-        os.mknod(root / name, stat.S_IFCHR | 0o600, os.makedev(major, minor))
-    return root
-
-
-def context(
-    tmp: Path, npu: dict[str, Any] | None = None, proc: Path | None = None, dev: Path | None = None, timeout=10.0
-) -> ProbeContext:
-    """A real ProbeContext. By default /proc is an empty temp dir, so the PIDs of captured outputs can never
-    match a process of this machine; holder tests pass the real /proc."""
-    if proc is None:
-        proc = tmp / "empty-proc"
-        proc.mkdir(exist_ok=True)
-    if dev is None:
-        dev = tmp / "empty-dev"
-        dev.mkdir(exist_ok=True)
-    config = parse_config({"npu": npu or {}})
-    return ProbeContext(Host(proc=proc, dev=dev), config, timeout)
-
-
-def run_probe(ctx: ProbeContext, probe: NpuProbe | None = None) -> tuple[dict[tuple[str, str], Finding], list[Sample]]:
-    probe = probe or NpuProbe()
-    assert probe.applicable(ctx) is None
-    output = probe.run(ctx)
-    findings: dict[tuple[str, str], Finding] = {}
-    samples: list[Sample] = []
-    for item in output:
-        if isinstance(item, Finding):
-            assert item.key not in findings, f"two findings for {item.key}"
-            assert item.message and "\n" not in item.message
-            if item.status in (Status.WARN, Status.FAIL):
-                assert item.hint, f"{item.key} has no hint"
-            findings[item.key] = item
-        else:
-            assert isinstance(item, Sample) and item.name.startswith("nodehealth_npu_")
-            samples.append(item)
-    return findings, samples
-
-
-def sample(samples: list[Sample], name: str, chip: int) -> float | None:
-    values = [s.value for s in samples if s.name == name and s.labels.get("chip") == str(chip)]
-    assert len(values) <= 1
-    return values[0] if values else None
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -140,7 +51,7 @@ def test_a3_table_through_npu_smi_on_path(tmp_path: Path, fake: FakeSmi) -> None
     assert sample(samples, "nodehealth_npu_temperature_celsius", 2) == 38
     assert sample(samples, "nodehealth_npu_health", 1) == 0
     labels = next(s.labels for s in samples if s.name == "nodehealth_npu_health" and s.labels["chip"] == "3")
-    assert labels == {"chip": "3", "card": "1", "name": "Ascend910"}
+    assert labels == {"chip": "3", "card": "1", "name": "Ascend910", "pci_bus_id": "0000:39:00.0"}
     assert fake.calls() == ["info", "info -m"]
 
 
@@ -219,6 +130,7 @@ def test_no_npu_smi_on_path_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert NpuProbe().applicable(context(tmp_path)) == "no npu-smi on this host"
 
 
+@pytest.mark.system
 def test_nsenter_prefix_without_npu_smi_on_the_host(tmp_path: Path) -> None:
     nsenter = require_tool("nsenter")
     argv = [nsenter, "--", "npu-smi-not-installed-here"]
@@ -231,6 +143,7 @@ def test_nsenter_prefix_without_npu_smi_on_the_host(tmp_path: Path) -> None:
     assert findings[("npu.smi", "")].message == "no npu-smi on this host"
 
 
+@pytest.mark.system
 def test_permission_denied_on_exec(tmp_path: Path) -> None:
     require_root()
     binary = tmp_path / "npu-smi"
@@ -313,6 +226,7 @@ def test_950_detail_query_has_no_chip_flag(tmp_path: Path, fake: FakeSmi) -> Non
     assert findings[("npu.health", "npu0")].observed["error_codes"] == []
 
 
+@pytest.mark.system
 def test_chip_with_a_davinci_node_but_not_listed_is_missing(tmp_path: Path, fake: FakeSmi) -> None:
     fake.answer({"info": table("910b1-8card-healthy-1proc-info-24.1.0.txt")})
     dev = make_dev(tmp_path / "dev", {f"davinci{n}": (240, n) for n in range(9)})
@@ -377,141 +291,6 @@ def test_failed_proc_mem_keeps_the_eight(tmp_path: Path, fake: FakeSmi) -> None:
     assert sample(samples, "nodehealth_npu_processes", 3) == 8
     assert "proc-mem" in findings[("npu.hbm", "npu3")].observed["proc_mem_error"]
     assert findings[("npu.smi", "")].status == Status.OK
-
-
-# --- holders: real processes holding mknod'ed nodes ---------------------------------------------
-
-
-@contextlib.contextmanager
-def holding(path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A real child process that keeps `path` open until the block ends."""
-    code = "import os, sys, time; os.open(sys.argv[1], os.O_RDONLY); print('ready', flush=True); time.sleep(120)"
-    child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
-        yield child
-    finally:
-        child.kill()
-        child.wait()
-
-
-FULL = (1, 7)  # /dev/full: a real character device that opens anywhere and that almost nothing holds
-
-
-def _table_listing(pid: int) -> dict[str, Any]:
-    text = npu_fixture("910b1-8card-healthy-1proc-info-24.1.0.txt").read_text()
-    return {"stdout": text.replace("| 641248        |", f"| {pid:<13} |")}
-
-
-def _holder(finding: Finding, pid: int) -> dict[str, Any]:
-    return next(h for h in finding.observed["holders"] if h["pid"] == pid)
-
-
-def test_holder_outside_kubernetes_of_a_container_copy(tmp_path: Path, fake: FakeSmi) -> None:
-    host_dev = make_dev(tmp_path / "dev", {"davinci0": FULL, "davinci1": (240, 1)})
-    # A container's /dev is its own tmpfs with its own inode for the same major:minor.
-    container_dev = make_dev(tmp_path / "container-dev", {"davinci0": FULL})
-    with holding(container_dev / "davinci0") as child:
-        fake.answer({"info": _table_listing(child.pid)})
-        findings, samples = run_probe(context(tmp_path, proc=Path("/proc"), dev=host_dev))
-        cgroup = classify_cgroup(Path(f"/proc/{child.pid}/cgroup").read_text())
-    require(not cgroup.in_pod, "a test process outside any Kubernetes pod cgroup")
-    held = findings[("npu.holders", "npu0")]
-    assert (held.status, held.reason, held.device) == (Status.FAIL, "NpuHeldOutOfBand", 0)
-    assert f"PID {child.pid}" in held.message and "/dev/davinci0" in held.message
-    assert cgroup.describe() in held.message
-    assert "kill" in held.hint or "stop" in held.hint
-    holder = _holder(held, child.pid)
-    assert holder["sources"] == ["fd", "npu-smi"] and holder["devices"] == ["davinci0"]
-    assert holder["kind"] == cgroup.kind and holder["cgroup_path"] == cgroup.path
-    assert findings[("npu.holders", "npu1")].status == Status.OK
-    assert sample(samples, "nodehealth_npu_out_of_band_holders", 0) >= 1
-    assert sample(samples, "nodehealth_npu_out_of_band_holders", 1) == 0
-    assert findings[("npu.hbm", "npu0")].reason != "NpuHbmLeaked"
-
-
-def test_vanished_npu_smi_pid_is_counted(tmp_path: Path, fake: FakeSmi) -> None:
-    host_dev = make_dev(tmp_path / "dev", {"davinci0": (240, 0)})
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # reaped: its PID names no process now
-    fake.answer({"info": _table_listing(gone.pid)})
-    findings, _ = run_probe(context(tmp_path, proc=Path("/proc"), dev=host_dev))
-    held = findings[("npu.holders", "npu0")]
-    assert held.status == Status.OK and held.observed["vanished"] >= 1
-    assert all(h["pid"] != gone.pid for h in held.observed["holders"])
-
-
-def test_failed_scan_is_unknown_not_fatal(tmp_path: Path, fake: FakeSmi) -> None:
-    host_dev = make_dev(tmp_path / "dev", {"davinci0": (240, 0)})
-    fake.answer({"info": table("910b3-container-only-card3-visible-info-25.2.3-IRREGULAR-ALIGNMENT.txt")})
-    findings, _ = run_probe(context(tmp_path, proc=tmp_path / "no-such-proc", dev=host_dev))
-    held = findings[("npu.holders", "npu0")]
-    assert (held.status, held.reason) == (Status.UNKNOWN, "NpuHolderScanFailed")
-    assert held.observed["scan_error"]
-    assert findings[("npu.smi", "")].status == Status.OK and findings[("npu.health", "npu0")].status == Status.OK
-
-
-def _pod_cgroup_dir() -> Path | None:
-    """A cgroup directory this test may create, in the hierarchy /proc/PID/cgroup reports first."""
-    for root in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
-        if (root / "cgroup.procs").exists() and os.access(root, os.W_OK):
-            if root.name != "memory" and not (root / "cgroup.controllers").exists():
-                continue
-            return root
-    return None
-
-
-def test_holder_in_a_pod_is_fine(tmp_path: Path, fake: FakeSmi) -> None:
-    host_dev = make_dev(tmp_path / "dev", {"davinci0": FULL})
-    root = _pod_cgroup_dir()
-    require(root is not None, "a writable cgroup hierarchy (memory v1 or v2)")
-    assert root is not None
-    pod_uid = str(uuid.uuid4())
-    top = root / f"node-health-test-{uuid.uuid4().hex[:8]}"
-    leaf = top / "kubepods" / "burstable" / f"pod{pod_uid}" / ("ab" * 32)
-    try:
-        leaf.mkdir(parents=True)
-    except OSError as exc:
-        require(False, f"creating a cgroup: {exc}")
-    try:
-        with holding(host_dev / "davinci0") as child:
-            try:
-                (leaf / "cgroup.procs").write_text(str(child.pid))
-            except OSError as exc:
-                require(False, f"moving a process into a cgroup: {exc}")
-            fake.answer({"info": _table_listing(child.pid)})
-            findings, samples = run_probe(context(tmp_path, proc=Path("/proc"), dev=host_dev))
-    finally:
-        for directory in (leaf, *leaf.parents):
-            if directory == root:
-                break
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-    held = findings[("npu.holders", "npu0")]
-    holder = _holder(held, child.pid)
-    assert holder["kind"] == "pod" and pod_uid in holder["cgroup"]
-    assert held.observed["holders_in_pods"] >= 1
-    # Another process of this machine may hold /dev/full too: only those may make the chip fail.
-    others = [h for h in held.observed["holders"] if h["kind"] != "pod"]
-    assert child.pid not in [h["pid"] for h in others]
-    assert held.status == (Status.FAIL if others else Status.OK)
-    assert sample(samples, "nodehealth_npu_out_of_band_holders", 0) == len(others)
-
-
-def test_holder_of_only_the_shared_node_warns(tmp_path: Path, fake: FakeSmi) -> None:
-    host_dev = make_dev(tmp_path / "dev", {"davinci0": (240, 0), "davinci_manager": FULL})
-    with holding(host_dev / "davinci_manager") as child:
-        fake.answer({"info": table("910b3-container-only-card3-visible-info-25.2.3-IRREGULAR-ALIGNMENT.txt")})
-        findings, samples = run_probe(context(tmp_path, proc=Path("/proc"), dev=host_dev))
-        comm = Path(f"/proc/{child.pid}/comm").read_text().strip()
-        shared = findings[("npu.holders", "")]
-        assert (shared.status, shared.reason) == (Status.WARN, "NpuHeldOutOfBand")
-        assert _holder(shared, child.pid)["devices"] == ["davinci_manager"]
-        assert findings[("npu.holders", "npu0")].status == Status.OK
-        assert next(s.value for s in samples if s.name == "nodehealth_npu_shared_out_of_band_holders") >= 1
-        # A node daemon that must keep the node open can be allowed by name.
-        findings, _ = run_probe(context(tmp_path, {"holder_ignore_commands": [comm]}, proc=Path("/proc"), dev=host_dev))
-        assert all(h["pid"] != child.pid for h in findings[("npu.holders", "")].observed["holders"])
 
 
 # --- the CLI --------------------------------------------------------------------------------------

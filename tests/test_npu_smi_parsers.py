@@ -11,19 +11,17 @@ from hypothesis import strategies as st
 from support.system import FIXTURES, require_fixtures
 
 from probes.base import ProbeParseError
-from probes.npu.smi_parse import (
+from probes.npu.details import (
     ChipMapping,
-    NpuInfo,
-    NpuSmiParseError,
-    classify_failure,
     parse_health,
-    parse_info,
     parse_key_values,
     parse_mapping,
     parse_proc_mem,
     parse_usages,
     resolve_ids,
 )
+from probes.npu.info_table import NpuInfo, NpuSmiParseError, parse_info
+from probes.npu.smi import classify_failure
 from probes.runtime.host import CommandResult
 
 NPU_FIXTURES = FIXTURES / "npu-smi"
@@ -417,9 +415,10 @@ def test_every_fixture_is_covered() -> None:
 
 
 def _all_texts() -> list[str]:
-    if not NPU_FIXTURES.is_dir():
-        return [""]
-    return [p.read_text() for p in sorted(Path(NPU_FIXTURES).iterdir()) if p.suffix == ".txt"]
+    # Read at collection: a missing fixtures directory fails the run here instead of skipping tests.
+    texts = [p.read_text() for p in sorted(require_fixtures().joinpath("npu-smi").iterdir()) if p.suffix == ".txt"]
+    assert texts, f"no npu-smi fixtures in {NPU_FIXTURES}"
+    return texts
 
 
 TEXTS = _all_texts()

@@ -1,35 +1,45 @@
-"""probes/_procfs.py: cgroup classification on real path formats, and the /proc/*/fd scan against real
-processes holding a mknod'ed device copy, a file and a listening socket."""
+"""probes/runtime/procfs.py and holders.py: cgroup classification on real path formats (v1, v2, cgroupfs and
+systemd drivers, private cgroup namespaces), /proc/PID/stat parsing, process_info of real processes (one moved
+into a real cgroup named like a pod's), device numbers by glob; and how holders are named, matched and stopped
+(pod names from the runtimes' OCI bundles, the allow/ignore matcher, runtime-aware stop commands, redaction).
+The /proc/*/fd scan: test_fdscan.py."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import signal
 import stat
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
 from support.system import require, require_root
 
-from probes.runtime.host import ChildCalls, Host
+from probes.runtime.holders import (
+    Holder,
+    PodNames,
+    PodRef,
+    Sighting,
+    collect_holders,
+    describe_holders,
+    executable_name,
+    matches_command,
+    stop_hint,
+)
 from probes.runtime.procfs import (
     CgroupOwner,
-    ScanTimeout,
+    ProcessInfo,
     cgroup_path,
     classify_cgroup,
+    classify_cgroup_path,
     device_rdevs,
     parse_start_time,
     parse_stat,
     process_info,
-    scan_fds_in_child,
-    scan_open_files,
 )
 
 UID = "1f0e7c2a-3b4d-4e5f-8a9b-0c1d2e3f4a5b"
@@ -217,22 +227,15 @@ def test_parse_stat_with_spaces_and_parentheses_in_comm() -> None:
         parse_stat("no parens here")
 
 
-# --- real processes --------------------------------------------------------------------------------
-
-HOLDER = r"""
-import os, socket, sys, time
-handles = [open(path, "rb") for path in sys.argv[1:]]
-server = socket.socket()
-server.bind(("127.0.0.1", 0))
-server.listen()
-print(server.getsockname()[1], flush=True)
-sys.stdin.read()
-"""
-
-
 @pytest.fixture
-def tmp(tmp_path: Path) -> Path:
-    return tmp_path
+def child() -> Iterator[subprocess.Popen[bytes]]:
+    """A real process that sleeps until the test ends."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def _mknod_copy(source: str, target: Path) -> int:
@@ -241,110 +244,12 @@ def _mknod_copy(source: str, target: Path) -> int:
     return rdev
 
 
-@pytest.fixture
-def holder(tmp: Path) -> Iterator[tuple[subprocess.Popen[str], Path, Path, Path, int]]:
-    """A real process holding: a mknod'ed copy of /dev/full under other/, a regular file, a listening socket.
-
-    tmp/dev/davinci0 has the same major:minor as the held copy; the holder never opens that path.
-    """
-    require_root()
-    (tmp / "dev").mkdir()
-    (tmp / "other").mkdir()
-    davinci = tmp / "dev" / "davinci0"
-    copy = tmp / "other" / "copy-of-davinci0"
-    try:
-        _mknod_copy("/dev/full", davinci)
-        _mknod_copy("/dev/full", copy)
-        with open(copy, "rb"):
-            pass
-    except OSError as exc:
-        require(False, f"mknod and open of a device node in {tmp} ({exc})")
-    regular = tmp / "weights.bin"
-    regular.write_bytes(b"x" * 100)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(copy), str(regular)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        yield proc, davinci, copy, regular, port
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
-def _socket_inode_of_listener(pid: int, port: int) -> int:
-    """The inode of the TCP socket listening on 127.0.0.1:port, from the kernel's /proc/PID/net/tcp."""
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, state, inode = fields[1], fields[3], fields[9]
-        if state == "0A" and int(local.split(":")[1], 16) == port:
-            return int(inode)
-    raise AssertionError(f"no listener on port {port} in /proc/{pid}/net/tcp")
-
-
 def _start_time(pid: int) -> int:
     return parse_start_time(Path(f"/proc/{pid}/stat").read_text())
 
 
-def test_scan_finds_device_copy_by_rdev_file_by_inode_and_socket(holder) -> None:
-    proc, davinci, copy, regular, port = holder
-    host = Host()
-    rdevs = device_rdevs(davinci.parent, ["davinci[0-9]*", "davinci_manager"])
-    assert rdevs == {os.stat("/dev/full").st_rdev: str(davinci)}
-    regular_st = os.stat(regular)
-    socket_inode = _socket_inode_of_listener(proc.pid, port)
-
-    result = scan_open_files(
-        host,
-        rdevs=rdevs,
-        inodes=[(regular_st.st_dev, regular_st.st_ino)],
-        sockets=[socket_inode],
-        timeout=20,
-    )
-    mine = [m for m in result.matches if m.pid == proc.pid]
-    by_kind = {m.key[0]: m for m in mine}
-    assert set(by_kind) == {"rdev", "inode", "socket"}, mine
-    start = _start_time(proc.pid)
-    assert all(m.start_time == start for m in mine)
-    # the holder opened the copy, never davinci0: found by device number, named by the holder's path
-    assert by_kind["rdev"].target == str(copy)
-    assert by_kind["rdev"].key == ("rdev", os.stat("/dev/full").st_rdev)
-    assert by_kind["inode"].target == str(regular)
-    assert by_kind["inode"].key == ("inode", regular_st.st_dev, regular_st.st_ino)
-    assert by_kind["socket"].target == f"socket:[{socket_inode}]"
-    assert by_kind["socket"].key == ("socket", socket_inode)
-    # the fd numbers are the holder's real ones
-    for match in mine:
-        assert os.readlink(f"/proc/{proc.pid}/fd/{match.fd}") == match.target
-    assert result.processes >= 2
-    assert result.fds >= 3
-    assert result.duration > 0
-    # the scanning child never reports itself, and the agent process holds none of these
-    assert all(m.pid != os.getpid() for m in result.matches)
-
-
-def test_scan_only_sockets_skips_devices(holder) -> None:
-    proc, _davinci, _copy, _regular, port = holder
-    inode = _socket_inode_of_listener(proc.pid, port)
-    result = scan_open_files(Host(), sockets=[inode], timeout=20)
-    assert [(m.pid, m.key) for m in result.matches] == [(proc.pid, ("socket", inode))]
-
-
-def test_scan_after_holder_exits_finds_nothing(holder) -> None:
-    proc, davinci, _copy, _regular, _port = holder
-    rdevs = device_rdevs(davinci.parent, ["davinci*"])
-    proc.kill()
-    proc.wait(timeout=10)
-    result = scan_open_files(Host(), rdevs=rdevs, timeout=20)
-    assert all(m.pid != proc.pid for m in result.matches)
-
-
-def test_process_info_of_real_child(holder) -> None:
-    proc, *_ = holder
+def test_process_info_of_real_child(child: subprocess.Popen[bytes]) -> None:
+    proc = child
     info = process_info(Path("/proc"), proc.pid)
     assert info is not None
     assert info.pid == proc.pid
@@ -385,9 +290,11 @@ def _own_cgroup_dir() -> Path | None:
     return None
 
 
-def test_process_info_classifies_a_process_moved_into_a_pod_cgroup(holder) -> None:
+@pytest.mark.system
+def test_process_info_classifies_a_process_moved_into_a_pod_cgroup(child: subprocess.Popen[bytes]) -> None:
     """A real process in a real cgroup named like a Guaranteed pod's container (cgroupfs driver)."""
-    proc, *_ = holder
+    require_root()
+    proc = child
     own = _own_cgroup_dir()
     require(own is not None and os.access(own, os.W_OK), "a writable cgroup hierarchy of this process")
     assert own is not None
@@ -420,85 +327,9 @@ def test_process_info_classifies_a_process_moved_into_a_pod_cgroup(holder) -> No
                     time.sleep(0.02)
 
 
-def test_scan_counts_vanished_entries_in_a_proc_tree(tmp: Path) -> None:
-    """A /proc-shaped tree: a pid without fd/ (exited), an fd whose file is gone, a pipe, a matching file."""
-    proc = tmp / "proc"
-    (proc / "4242" / "fd").mkdir(parents=True)
-    (proc / "4243").mkdir()
-    (proc / "self").mkdir()
-    held = tmp / "held"
-    held.write_text("x")
-    (proc / "4242" / "fd" / "3").symlink_to(tmp / "gone")
-    (proc / "4242" / "fd" / "4").symlink_to("pipe:[1234]")
-    (proc / "4242" / "fd" / "5").symlink_to(held)
-    (proc / "4242" / "stat").write_text("4242 (x y) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5555 0 0\n")
-    st = os.stat(held)
-    raw = scan_fds_in_child(str(proc), frozenset(), frozenset({(st.st_dev, st.st_ino)}), frozenset())
-    assert raw["processes"] == 2
-    assert raw["fds"] == 3
-    assert raw["vanished"] == 2  # pid 4243 had no fd table; fd 3 pointed at a file that is gone
-    assert raw["matches"] == [(4242, 5555, 5, str(held), ("inode", st.st_dev, st.st_ino))]
-
-
-def test_scan_counts_permission_denied_without_crashing() -> None:
-    """An unprivileged scanner cannot read root's fds: counted, never fatal."""
-    require_root()
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        status = 1
-        try:
-            os.close(read_fd)
-            os.setgroups([])
-            os.setresgid(65534, 65534, 65534)
-            os.setresuid(65534, 65534, 65534)
-            raw = scan_fds_in_child("/proc", frozenset({os.stat("/dev/null").st_rdev}), frozenset(), frozenset())
-            os.write(write_fd, f"{raw['permission_denied']} {raw['processes']}".encode())
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as reader:
-        text = reader.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    denied, processes = map(int, text.split())
-    assert denied >= 1  # at least this pytest process (root) itself
-    assert processes >= denied
-
-
-def test_scan_survives_process_churn() -> None:
-    churn = subprocess.Popen(["sh", "-c", "while :; do sleep 0 & done"], start_new_session=True)
-    try:
-        time.sleep(0.2)
-        host = Host()
-        for _ in range(3):
-            result = scan_open_files(host, rdevs=[os.stat("/dev/null").st_rdev], timeout=20)
-            assert result.processes > 0
-            assert result.vanished >= 0
-    finally:
-        os.killpg(churn.pid, signal.SIGKILL)
-        churn.wait(timeout=10)
-
-
-def test_concurrent_scans_from_several_probe_threads_all_succeed(holder) -> None:
-    """npu, gpu, network and storage probes scan from their own threads at once: serialised, never refused."""
-    proc, davinci, *_ = holder
-    host = Host()
-    rdevs = device_rdevs(davinci.parent, ["davinci*"])
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = [pool.submit(scan_open_files, host, rdevs=rdevs, timeout=30) for _ in range(4)]
-        results = [f.result(timeout=60) for f in futures]
-    for result in results:
-        assert [m.pid for m in result.matches if m.pid == proc.pid] == [proc.pid]
-
-
-def test_scan_timeout_raises_scan_timeout() -> None:
-    with pytest.raises(ScanTimeout):
-        scan_open_files(Host(), rdevs=[1], timeout=1e-6)
-
-
-def test_device_rdevs_only_char_devices_matching_patterns(tmp: Path) -> None:
+@pytest.mark.system
+def test_device_rdevs_only_char_devices_matching_patterns(tmp_path: Path) -> None:
+    tmp = tmp_path
     require_root()
     try:
         full = _mknod_copy("/dev/full", tmp / "davinci0")
@@ -521,47 +352,96 @@ def test_owner_describe() -> None:
     assert CgroupOwner("service", unit="x.service").describe() == "service x.service"
 
 
-@pytest.mark.system
-def test_scan_over_a_hung_fuse_file_times_out_and_never_blocks_the_caller(tmp_path: Path) -> None:
-    """A holder of a file on a FUSE mount whose getattr never answers: the stat in the scan blocks (as on a
-    hung NFS mount); the caller gets ScanTimeout in time, a second scan is refused while the first child is
-    stuck, and the child is reaped once the filesystem goes away."""
-    require_root()
-    require(os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None, "FUSE (/dev/fuse, fusermount3)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from support.fusefs import fuse_mount
+# --- holders ---------------------------------------------------------------------------------------
 
-    children = ChildCalls()
-    host = Host(children=children)
-    with fuse_mount(tmp_path, "--hang-getattr") as mount:
-        # Opening the mount's root needs no getattr; a stat through the holder's fd does, and hangs.
-        holder = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "import os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); print(fd, flush=True); input()",
-                str(mount.path),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert holder.stdout is not None
-            assert holder.stdout.readline().strip().isdigit()
-            started = time.monotonic()
-            with pytest.raises(ScanTimeout):
-                scan_open_files(host, inodes=[(1, 1)], timeout=1.0)
-            assert time.monotonic() - started < 3.0
-            assert "procfs-fd-scan" in children.in_flight()
-            with pytest.raises(ScanTimeout, match="still stuck"):
-                scan_open_files(host, inodes=[(1, 1)], timeout=1.0)
-        finally:
-            holder.kill()
-            holder.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while children.in_flight() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert children.in_flight() == {}
-    # The next scan runs normally.
-    assert scan_open_files(host, sockets=[1], timeout=20).processes > 0
+
+def _info(pid: int, command: str, cgroup: str, comm: str = "") -> ProcessInfo:
+    return ProcessInfo(pid, 1000 + pid, command, classify_cgroup_path(cgroup), comm or command.split()[0][-15:])
+
+
+POD_CGROUP = f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/cri-containerd-{CID}.scope"
+CRIO_CGROUP = f"/kubepods.slice/kubepods-pod{UID_}.slice/crio-{CID}.scope"
+
+
+def test_pod_names_from_containerd_and_cri_o_bundles_else_the_uid(tmp_path: Path) -> None:
+    bundle = tmp_path / "run/containerd/io.containerd.runtime.v2.task/k8s.io" / CID
+    bundle.mkdir(parents=True)
+    annotations = {
+        "io.kubernetes.cri.sandbox-namespace": "team-a",
+        "io.kubernetes.cri.sandbox-name": "train-0",
+        "io.kubernetes.cri.container-name": "worker",
+    }
+    (bundle / "config.json").write_text(json.dumps({"process": {"env": ["TOKEN=x"]}, "annotations": annotations}))
+    names = PodNames(tmp_path)
+    assert names.pod(classify_cgroup_path(POD_CGROUP)) == PodRef(UID, "team-a", "train-0", "worker")
+    assert PodRef(UID, "team-a", "train-0").describe() == "pod team-a/train-0"
+    crio = tmp_path / "run/containers/storage/overlay-containers" / CID / "userdata"
+    crio.mkdir(parents=True)
+    crio_annotations = {
+        "io.kubernetes.pod.namespace": "b",
+        "io.kubernetes.pod.name": "p",
+        "io.kubernetes.container.name": "c",
+    }
+    (crio / "config.json").write_text(json.dumps({"annotations": crio_annotations}))
+    assert PodNames(tmp_path).pod(classify_cgroup_path(CRIO_CGROUP)) == PodRef(UID, "b", "p", "c")
+    # No bundle (another runtime, or the agent without the host's /run), or a broken one: the UID names the pod.
+    (crio / "config.json").write_text("{not json")
+    assert PodNames(tmp_path).pod(classify_cgroup_path(CRIO_CGROUP)) == PodRef(UID)
+    assert PodNames(tmp_path / "absent").pod(classify_cgroup_path(POD_CGROUP)) == PodRef(UID)
+    assert PodRef(UID).describe() == f"pod {UID}"
+    assert names.pod(classify_cgroup_path("/system.slice/x.service")) is None
+
+
+def test_stop_commands_by_owner_name_the_real_pids() -> None:
+    holders = [
+        Holder(_info(12, "python train.py", "/user.slice/user-0.slice/session-3.scope")),
+        Holder(_info(34, "sleep 60", "/")),
+        Holder(_info(56, "python serve.py", f"/system.slice/docker-{CID}.scope")),
+        Holder(_info(57, "python serve.py", f"/system.slice/docker-{CID}.scope")),
+        Holder(_info(78, "podman-thing", f"/machine.slice/libpod-{CID}.scope")),
+        Holder(_info(90, "daemon", "/system.slice/npu-daemon.service")),
+        Holder(_info(91, "worker", POD_CGROUP), PodRef(UID, "team-a", "train-0")),
+        Holder(_info(92, "worker", POD_CGROUP)),
+    ]
+    assert stop_hint(holders) == (
+        f"kill 12 34; docker stop {CID[:12]}; podman stop {CID[:12]}; systemctl stop npu-daemon.service; "
+        f"kubectl delete pod -n team-a train-0; crictl stopp $(crictl pods -q --label io.kubernetes.pod.uid={UID})"
+    )
+
+
+def test_holders_are_named_by_pid_and_executable_and_the_command_line_only_when_allowed() -> None:
+    secret = "/usr/bin/python3 train.py --hf-token=hf_s3cr3t"
+    holder = Holder(_info(42, secret, "/", comm="python3"), things={"davinci0"}, sources={"fd"})
+    assert holder.who(redact=True) == "PID 42 (python3)"
+    assert holder.phrase(redact=True) == "PID 42 (python3) in host cgroup /"
+    assert "s3cr3t" not in json.dumps(holder.to_dict(redact=True))
+    assert holder.who(redact=False) == f"PID 42 ({secret})"
+    assert holder.to_dict(redact=False)["command"] == secret
+    many = [Holder(_info(pid, "sleep 1", "/")) for pid in range(1, 6)]
+    assert describe_holders(many, redact=True) == (
+        "PID 1 (sleep) in host cgroup /, PID 2 (sleep) in host cgroup /, PID 3 (sleep) in host cgroup / and 2 more"
+    )
+
+
+def test_allow_and_ignore_lists_match_the_executable_or_the_task_name() -> None:
+    info = _info(7, "/usr/bin/nvidia-persistenced --user nvidia", "/", comm="nvidia-persiste")
+    assert matches_command(info, ["nvidia-persistenced"])
+    assert matches_command(info, ["nvidia-*"])
+    assert matches_command(_info(8, "[kworker/0:1]", "/", comm="kworker/0:1"), ["kworker/*"])
+    assert not matches_command(info, ["persistenced", "python*"])
+    assert executable_name(_info(9, "", "/", comm="zombie")) == "zombie"
+
+
+def test_a_reused_pid_is_not_the_holder_the_scan_saw(child: subprocess.Popen[bytes]) -> None:
+    start = _start_time(child.pid)
+    sightings = [
+        Sighting(child.pid, "davinci0", "fd", start),
+        Sighting(child.pid, "davinci1", "fd", start + 1),  # an earlier process with that PID
+        Sighting(child.pid, "davinci0", "npu-smi"),  # a tool's list: no start time to check
+    ]
+    holders, vanished = collect_holders(Path("/proc"), sightings)
+    assert vanished == 1
+    assert [(h.pid, sorted(h.things), sorted(h.sources)) for h in holders] == [
+        (child.pid, ["davinci0"], ["fd", "npu-smi"])
+    ]
+    assert collect_holders(Path("/proc"), sightings, exclude=[child.pid]) == ([], 0)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from probes.base import PositiveSeconds, Section
 
@@ -20,6 +20,9 @@ class GpuConfig(Section):
     nvml_library: str = ""
     # argv prefix of the fallback used when NVML cannot be loaded; e.g. [nsenter, -t, 1, -m, --, nvidia-smi].
     smi_command: list[str] = ["nvidia-smi"]
+    # Where a driver container (the GPU Operator's) keeps the driver, under host.root: when neither the library
+    # nor smi_command is found, NVML is loaded from its lib dirs and nvidia-smi run chrooted into it.
+    driver_root: str = "/run/nvidia/driver"
     smi_timeout_seconds: PositiveSeconds = 8.0
     # Lifetime (aggregate) uncorrectable ECC errors: 1..this → warn, above → fail. Volatile ones always fail.
     ecc_aggregate_uncorrectable_max: int = Field(4, ge=0)
@@ -38,3 +41,11 @@ class GpuConfig(Section):
         "nv-fabricmanager",
         "dcgm-exporter",
     ]
+    # A GPU held by processes of two or more pods is GpuSharedByPods unless sharing is on purpose (time-slicing,
+    # MPS): true for every GPU, or the indices of the GPUs that may be shared.
+    shared_ok: StrictBool | list[Annotated[int, Field(ge=0)]] = False
+    # MPS servers (fnmatch on the executable's base name) hold a GPU for their clients: one holder together.
+    mps_server_commands: list[str] = ["nvidia-cuda-mps-server"]
+
+    def sharing_allowed(self, index: int) -> bool:
+        return self.shared_ok is True or (isinstance(self.shared_ok, list) and index in self.shared_ok)

@@ -4,7 +4,8 @@
   `Single Bit / Double Bit` ECC tables and Ampere+ `SRAM / DRAM` counters, `Clocks Throttle Reasons` and
   the newer `Clocks Event Reasons`, `Power Readings` and `GPU Power Readings`).
 - `parse_csv`: `--query-gpu=... --format=csv[,noheader]` (`, ` separated, `[N/A]` for unsupported).
-- `parse_list`: `nvidia-smi -L`, including `Unable to determine the device handle for gpu ...` lines.
+- `parse_list`: `nvidia-smi -L`, including `Unable to determine the device handle for gpu ...` lines and the
+  MIG devices listed under a GPU in MIG mode.
 - `parse_table`: the default `nvidia-smi` table, and the `WARNING: ...` lines printed after it.
 """
 
@@ -14,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from probes.base import ProbeParseError
-from probes.gpu.nvml import CLOCK_EVENT_BITS, MIB, EnumerationFailure, GpuProcess, GpuState
+from probes.gpu.model import CLOCK_EVENT_BITS, MIB, EnumerationFailure, GpuProcess, GpuState
 
 
 class SmiParseError(ProbeParseError):
@@ -132,6 +133,9 @@ def gpu_from_sections(block: QNode, index: int) -> GpuState:
     if power is not None:
         draw = power.value_of("Power Draw", "Instantaneous Power Draw", "Average Power Draw")
         gpu.power_watts = _optional_number(draw, "W", "Power Draw")
+    mig = block.child("MIG Mode")
+    if mig is not None:
+        gpu.mig_enabled = (mig.value_of("Current") or "").strip().lower() == "enabled"
     action = block.value_of("GPU Recovery Action", "Recovery Action")
     if action is not None and action != "N/A":
         gpu.recovery_action = action
@@ -308,18 +312,25 @@ class ListedGpu:
     index: int
     name: str
     uuid: str
+    mig_uuids: tuple[str, ...] = ()
 
 
 _LIST_LINE = re.compile(r"^GPU (?P<index>\d+): (?P<name>.+?) \(UUID: (?P<uuid>[^)]+)\)$")
+_MIG_LINE = re.compile(r"^MIG \S+\s+Device\s+\d+: \(UUID: (?P<uuid>[^)]+)\)$")
 
 
 def parse_list(text: str) -> tuple[list[ListedGpu], list[EnumerationFailure]]:
-    """`nvidia-smi -L` → the GPUs it lists and the ones it could not open. MIG lines (indented) are skipped."""
-    listed, failures = [], []
+    """`nvidia-smi -L` → the GPUs it lists (with the MIG devices indented under them) and the ones it could
+    not open."""
+    listed: list[ListedGpu] = []
+    failures = []
     for raw in text.splitlines():
         line = raw.strip()
         if match := _LIST_LINE.match(line):
             listed.append(ListedGpu(int(match["index"]), match["name"], match["uuid"]))
+        elif (match := _MIG_LINE.match(line)) and listed:
+            last = listed[-1]
+            listed[-1] = ListedGpu(last.index, last.name, last.uuid, (*last.mig_uuids, match["uuid"]))
         elif match := _UNABLE.match(line):
             failures.append(EnumerationFailure(None, match["bus"], match["error"].strip()))
     if not listed and not failures and text.strip() and "No devices were found" not in text:

@@ -1,4 +1,4 @@
-"""The GPU state model both GPU backends fill, and the NVML (nvidia-ml-py) reader.
+"""The NVML (nvidia-ml-py) reader: every GPU in one pass, into the model of probes.gpu.model.
 
 `pynvml` is imported only inside `read_nvml`, so an agent on a host without NVIDIA GPUs never loads it.
 
@@ -14,11 +14,13 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from probes.gpu.model import EnumerationFailure, GpuInventory, GpuProcess, GpuState
 
 # NVML return codes (nvml.h nvmlReturn_t) this module interprets.
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_RESET_REQUIRED = 16
 NVML_ERROR_CORRUPTED_INFOROM = 14
@@ -35,86 +37,6 @@ RECOVERY_ACTIONS = {
     6: "Bus Reset",
     7: "System Reboot",
 }
-
-# Clock event (throttle) reason bits (nvml.h nvmlClocksEventReason*), names as nvidia-smi -q prints them.
-CLOCK_EVENT_BITS: dict[str, int] = {
-    "gpu_idle": 0x1,
-    "applications_clocks_setting": 0x2,
-    "sw_power_cap": 0x4,
-    "hw_slowdown": 0x8,
-    "sync_boost": 0x10,
-    "sw_thermal_slowdown": 0x20,
-    "hw_thermal_slowdown": 0x40,
-    "hw_power_brake_slowdown": 0x80,
-    "display_clock_setting": 0x100,
-}
-
-MIB = 1024 * 1024
-
-
-@dataclass
-class GpuProcess:
-    pid: int
-    used_bytes: int | None = None
-    kind: str = "compute"  # compute or graphics
-
-
-@dataclass
-class GpuState:
-    """What one backend could learn about one GPU. None: not reported (unsupported, N/A, or failed)."""
-
-    index: int
-    uuid: str = ""
-    name: str = ""
-    bus_id: str = ""
-    minor: int | None = None
-    ecc_corrected_volatile: int | None = None
-    ecc_uncorrected_volatile: int | None = None
-    ecc_corrected_aggregate: int | None = None
-    ecc_uncorrected_aggregate: int | None = None
-    # nvidia-smi -q on newer drivers: "SRAM Threshold Exceeded : Yes" (the RMA threshold for SRAM errors).
-    sram_threshold_exceeded: bool | None = None
-    retired_pages_sbe: int | None = None
-    retired_pages_dbe: int | None = None
-    retired_pages_pending: bool | None = None
-    remapped_rows_correctable: int | None = None
-    remapped_rows_uncorrectable: int | None = None
-    remap_pending: bool | None = None
-    remap_failed: bool | None = None
-    recovery_action: str | None = None  # a RECOVERY_ACTIONS value
-    clock_event_reasons: int | None = None  # bitmask of CLOCK_EVENT_BITS
-    memory_total_bytes: int | None = None
-    memory_used_bytes: int | None = None
-    memory_free_bytes: int | None = None
-    temperature_celsius: float | None = None
-    power_watts: float | None = None
-    inforom_corrupted: bool | None = None
-    processes: list[GpuProcess] | None = None  # None: the process list could not be read
-    lost: bool = False  # NVML: GPU is lost (fell off the bus)
-    unsupported: list[str] = field(default_factory=list)  # queries the device does not support
-    errors: dict[str, str] = field(default_factory=dict)  # query → error, for failures other than unsupported
-
-    @property
-    def subject(self) -> str:
-        return f"gpu{self.index}"
-
-
-@dataclass(frozen=True)
-class EnumerationFailure:
-    """A GPU the backend knows of but cannot open (NVML handle error, nvidia-smi "Unable to determine...")."""
-
-    index: int | None
-    bus_id: str
-    error: str
-
-
-@dataclass
-class GpuInventory:
-    source: str  # "nvml" or "nvidia-smi"
-    driver_version: str = ""
-    gpus: list[GpuState] = field(default_factory=list)
-    failures: list[EnumerationFailure] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
 
 class NvmlUnavailable(Exception):
@@ -203,13 +125,55 @@ def _read_device(nvml: Any, index: int, handle: Any) -> GpuState:
                 gpu.errors[key] = str(exc)
             return None
 
+    _read_identity(nvml, handle, gpu, query)
+    _read_errors(nvml, gpu, query)
+    gpu.clock_event_reasons = _clock_event_reasons(nvml, query)
+    memory = query("memory_info", nvml.nvmlDeviceGetMemoryInfo)
+    if memory is not None:
+        gpu.memory_total_bytes, gpu.memory_used_bytes = int(memory.total), int(memory.used)
+        gpu.memory_free_bytes = int(memory.free)
+    compute = query("compute_processes", nvml.nvmlDeviceGetComputeRunningProcesses)
+    graphics = query("graphics_processes", nvml.nvmlDeviceGetGraphicsRunningProcesses)
+    if compute is not None or graphics is not None:
+        gpu.processes = [GpuProcess(int(p.pid), _used(p), "compute") for p in compute or []]
+        gpu.processes += [GpuProcess(int(p.pid), _used(p), "graphics") for p in graphics or []]
+    temperature = query("temperature", nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU)
+    gpu.temperature_celsius = None if temperature is None else float(temperature)
+    milliwatts = query("power_usage", nvml.nvmlDeviceGetPowerUsage)
+    gpu.power_watts = None if milliwatts is None else milliwatts / 1000.0
+    if query("inforom", lambda handle: nvml.nvmlDeviceValidateInforom(handle) or True):
+        gpu.inforom_corrupted = False
+    return gpu
+
+
+def _read_identity(nvml: Any, handle: Any, gpu: GpuState, query: Callable[..., Any]) -> None:
     gpu.name = _text(query("name", nvml.nvmlDeviceGetName) or "")
     gpu.uuid = _text(query("uuid", nvml.nvmlDeviceGetUUID) or "")
     gpu.minor = query("minor_number", nvml.nvmlDeviceGetMinorNumber)
     pci = query("pci_info", nvml.nvmlDeviceGetPciInfo)
     if pci is not None:
         gpu.bus_id = _text(pci.busId)
+    mode = query("mig_mode", nvml.nvmlDeviceGetMigMode)
+    if mode is not None and mode[0] == nvml.NVML_DEVICE_MIG_ENABLE:
+        gpu.mig_enabled = True
+        gpu.mig_uuids = _mig_uuids(nvml, handle, gpu, query)
 
+
+def _mig_uuids(nvml: Any, handle: Any, gpu: GpuState, query: Callable[..., Any]) -> list[str]:
+    """UUIDs of the MIG devices of a GPU in MIG mode (NOT_FOUND marks an empty slot)."""
+    uuids: list[str] = []
+    for slot in range(query("mig_devices", nvml.nvmlDeviceGetMaxMigDeviceCount) or 0):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            uuids.append(_text(nvml.nvmlDeviceGetUUID(mig)))
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) != NVML_ERROR_NOT_FOUND:
+                gpu.errors["mig_devices"] = str(exc)
+    return uuids
+
+
+def _read_errors(nvml: Any, gpu: GpuState, query: Callable[..., Any]) -> None:
+    """ECC counters, page retirement, row remapping and the driver's recovery action."""
     corrected, uncorrected = nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
     volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
     ecc = nvml.nvmlDeviceGetTotalEccErrors
@@ -217,7 +181,6 @@ def _read_device(nvml: Any, index: int, handle: Any) -> GpuState:
     gpu.ecc_uncorrected_aggregate = query("ecc_uncorrected_aggregate", ecc, uncorrected, aggregate)
     gpu.ecc_corrected_volatile = query("ecc_corrected_volatile", ecc, corrected, volatile)
     gpu.ecc_corrected_aggregate = query("ecc_corrected_aggregate", ecc, corrected, aggregate)
-
     pages = nvml.nvmlDeviceGetRetiredPages
     sbe = query("retired_pages", pages, nvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
     if sbe is not None:
@@ -226,12 +189,10 @@ def _read_device(nvml: Any, index: int, handle: Any) -> GpuState:
         gpu.retired_pages_dbe = None if dbe is None else len(dbe)
         pending = query("retired_pages_pending", nvml.nvmlDeviceGetRetiredPagesPendingStatus)
         gpu.retired_pages_pending = None if pending is None else bool(pending)
-
     rows = query("remapped_rows", nvml.nvmlDeviceGetRemappedRows)
     if rows is not None:
         gpu.remapped_rows_correctable, gpu.remapped_rows_uncorrectable = int(rows[0]), int(rows[1])
         gpu.remap_pending, gpu.remap_failed = bool(rows[2]), bool(rows[3])
-
     values = query("recovery_action", nvml.nvmlDeviceGetFieldValues, [FIELD_GPU_RECOVERY_ACTION])
     if values is not None:
         value = values[0]
@@ -242,27 +203,6 @@ def _read_device(nvml: Any, index: int, handle: Any) -> GpuState:
             gpu.unsupported.append("recovery_action")
         else:
             gpu.errors["recovery_action"] = f"NVML field error {value.nvmlReturn}"
-
-    gpu.clock_event_reasons = _clock_event_reasons(nvml, query)
-
-    memory = query("memory_info", nvml.nvmlDeviceGetMemoryInfo)
-    if memory is not None:
-        gpu.memory_total_bytes, gpu.memory_used_bytes = int(memory.total), int(memory.used)
-        gpu.memory_free_bytes = int(memory.free)
-
-    compute = query("compute_processes", nvml.nvmlDeviceGetComputeRunningProcesses)
-    graphics = query("graphics_processes", nvml.nvmlDeviceGetGraphicsRunningProcesses)
-    if compute is not None or graphics is not None:
-        gpu.processes = [GpuProcess(int(p.pid), _used(p), "compute") for p in compute or []]
-        gpu.processes += [GpuProcess(int(p.pid), _used(p), "graphics") for p in graphics or []]
-
-    temperature = query("temperature", nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU)
-    gpu.temperature_celsius = None if temperature is None else float(temperature)
-    milliwatts = query("power_usage", nvml.nvmlDeviceGetPowerUsage)
-    gpu.power_watts = None if milliwatts is None else milliwatts / 1000.0
-    if query("inforom", lambda handle: nvml.nvmlDeviceValidateInforom(handle) or True):
-        gpu.inforom_corrupted = False
-    return gpu
 
 
 def _clock_event_reasons(nvml: Any, query: Callable[..., Any]) -> int | None:

@@ -1,31 +1,65 @@
-"""Shared /proc machinery: who holds a device or file open, and which pod, container or unit a process is in.
+"""Shared /proc machinery: which pod, container or unit a process is in, and who holds what open.
 
-- `scan_open_files`: one pass over every /proc/*/fd, in a forked child with a deadline (a stat of an fd
-  on a hung NFS file blocks in D state, so it never runs on an agent thread). Character devices match by
-  st_rdev (a container's /dev/davinci0 is a different inode with the same major:minor, which `fuser` on
-  the host path misses), regular files by (st_dev, st_ino), sockets by the `socket:[N]` link text.
 - `classify_cgroup`: /proc/PID/cgroup text → pod / container / service / session / host, for cgroup v1
   and v2, the cgroupfs and systemd drivers, and paths seen from a private cgroup namespace (`/../`).
 - `process_info`: pid, start time (field 22 of /proc/PID/stat; pids are reused, so results are keyed by
   (pid, start_time)), command and cgroup owner.
+- `device_rdevs`: the device numbers of the nodes a glob names under a dev dir.
+- `scan_open_files` (from `probes.runtime.fdscan`, re-exported here): one pass over every /proc/*/fd that
+  a hung filesystem cannot block.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import stat
-import threading
-import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from probes.runtime.host import Host
+from probes.runtime.fdscan import (
+    AT_STATX_DONT_SYNC,
+    SCAN_KEY,
+    STATX_AVAILABLE,
+    FdMatch,
+    ScanError,
+    ScanResult,
+    ScanTimeout,
+    UnreadableProcess,
+    lingering_scanners,
+    list_pids,
+    parse_start_time,
+    parse_stat,
+    scan_in_process,
+    scan_open_files,
+)
+
+__all__ = [
+    "AT_STATX_DONT_SYNC",
+    "SCAN_KEY",
+    "STATX_AVAILABLE",
+    "CgroupOwner",
+    "FdMatch",
+    "ProcessInfo",
+    "ScanError",
+    "ScanResult",
+    "ScanTimeout",
+    "UnreadableProcess",
+    "cgroup_path",
+    "classify_cgroup",
+    "classify_cgroup_path",
+    "device_rdevs",
+    "format_rdev",
+    "lingering_scanners",
+    "list_pids",
+    "parse_start_time",
+    "parse_stat",
+    "process_info",
+    "scan_in_process",
+    "scan_open_files",
+]
 
 # --- cgroup → owner --------------------------------------------------------------------------------
 
@@ -190,23 +224,6 @@ class ProcessInfo:
         return (self.pid, self.start_time)
 
 
-def parse_stat(text: str) -> tuple[str, list[str]]:
-    """/proc/PID/stat → (comm, fields from field 3 on). comm may hold spaces and ')': split at the last ')'."""
-    open_paren = text.find("(")
-    close_paren = text.rfind(")")
-    if open_paren < 0 or close_paren < open_paren:
-        raise ValueError(f"not a /proc/PID/stat line: {text[:80]!r}")
-    return text[open_paren + 1 : close_paren], text[close_paren + 1 :].split()
-
-
-def parse_start_time(text: str) -> int:
-    """Field 22 (starttime) of a /proc/PID/stat line."""
-    _, rest = parse_stat(text)
-    if len(rest) < 20:
-        raise ValueError(f"/proc/PID/stat has {len(rest) + 2} fields, need 22")
-    return int(rest[19])  # rest[0] is field 3
-
-
 def process_info(proc: Path, pid: int) -> ProcessInfo | None:
     """pid, start time, command and cgroup owner of one process; None when it has vanished."""
     base = Path(proc) / str(pid)
@@ -239,10 +256,6 @@ def process_info(proc: Path, pid: int) -> ProcessInfo | None:
     return ProcessInfo(pid, start_time, command or f"[{comm}]", classify_cgroup(cgroup_text), comm, uid)
 
 
-def list_pids(proc: Path) -> list[int]:
-    return sorted(int(name) for name in os.listdir(proc) if name.isdigit())
-
-
 # --- device numbers --------------------------------------------------------------------------------
 
 
@@ -270,211 +283,3 @@ def device_rdevs(dev_dir: Path, patterns: Sequence[str]) -> dict[int, str]:
 
 def format_rdev(rdev: int) -> str:
     return f"{os.major(rdev)}:{os.minor(rdev)}"
-
-
-# --- open-file scan --------------------------------------------------------------------------------
-
-
-class ScanError(Exception):
-    """The scan of /proc/*/fd could not be done (the child failed); the check is unknown."""
-
-
-class ScanTimeout(ScanError):
-    """The scan did not finish by its deadline, or a previous scan is still stuck (a hung filesystem)."""
-
-
-@dataclass(frozen=True)
-class FdMatch:
-    pid: int
-    start_time: int
-    fd: int
-    target: str  # readlink text of /proc/PID/fd/N, as the holder's mount namespace names it
-    key: tuple[Any, ...]  # ("rdev", rdev) | ("inode", st_dev, st_ino) | ("socket", inode)
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    matches: tuple[FdMatch, ...]
-    vanished: int  # processes that exited, and fds closed, while being read
-    permission_denied: int  # processes whose fd table (or some fd) could not be read (EACCES/EPERM)
-    processes: int
-    fds: int
-    duration: float  # seconds, including the child's start
-
-    def by_key(self) -> dict[tuple[Any, ...], list[FdMatch]]:
-        out: dict[tuple[Any, ...], list[FdMatch]] = {}
-        for match in self.matches:
-            out.setdefault(match.key, []).append(match)
-        return out
-
-
-SCAN_KEY = "procfs-fd-scan"
-_SCAN_LOCKS: dict[str, threading.Lock] = {}
-_SCAN_LOCKS_GUARD = threading.Lock()
-
-
-def _scan_lock(key: str) -> threading.Lock:
-    with _SCAN_LOCKS_GUARD:
-        return _SCAN_LOCKS.setdefault(key, threading.Lock())
-
-
-def scan_open_files(
-    host: Host,
-    *,
-    rdevs: Collection[int] = (),
-    inodes: Collection[tuple[int, int]] = (),
-    sockets: Collection[int] = (),
-    timeout: float,
-    key: str = SCAN_KEY,
-) -> ScanResult:
-    """One pass over every /proc/*/fd of the host, in a child process bounded by `timeout`.
-
-    Scans with the same `key` run one at a time: a caller waits (within its timeout) for another probe's
-    scan to finish rather than being refused, and a child stuck on a hung filesystem blocks further
-    scans under that key (ScanTimeout) until it is gone, instead of piling up children.
-
-    Raises ScanTimeout when the child does not answer in time (or a previous one is still stuck),
-    ScanError when it fails otherwise. Vanished processes and fds, and permission errors, are counted.
-    """
-    started = time.monotonic()
-    lock = _scan_lock(key)
-    if not lock.acquire(timeout=max(timeout, 0.0)):
-        raise ScanTimeout(f"scan of {host.proc}/*/fd: another scan still running after {timeout:g}s")
-    try:
-        result = host.child_call(
-            key,
-            scan_fds_in_child,
-            str(host.proc),
-            frozenset(int(r) for r in rdevs),
-            frozenset((int(d), int(i)) for d, i in inodes),
-            frozenset(int(s) for s in sockets),
-            timeout=max(timeout - (time.monotonic() - started), 1e-3),
-        )
-    finally:
-        lock.release()
-    if result.state in ("timeout", "busy"):
-        raise ScanTimeout(f"scan of {host.proc}/*/fd: {result.error or result.state}")
-    if not result.ok:
-        raise ScanError(f"scan of {host.proc}/*/fd failed: {result.error}")
-    return scan_result_from_raw(result.value, time.monotonic() - started)
-
-
-def scan_result_from_raw(raw: dict[str, Any], duration: float) -> ScanResult:
-    matches = tuple(FdMatch(pid, start, fd, target, tuple(key)) for pid, start, fd, target, key in raw["matches"])
-    return ScanResult(
-        matches=matches,
-        vanished=raw["vanished"],
-        permission_denied=raw["permission_denied"],
-        processes=raw["processes"],
-        fds=raw["fds"],
-        duration=duration,
-    )
-
-
-_DENIED = (errno.EACCES, errno.EPERM)
-_GONE = (errno.ENOENT, errno.ESRCH)
-
-
-def scan_fds_in_child(
-    proc_dir: str, rdevs: frozenset[int], inodes: frozenset[tuple[int, int]], sockets: frozenset[int]
-) -> dict[str, Any]:
-    """Runs in a forked child (see probes.runtime.host.ChildCalls): only `os` and pure Python, no logging, no imports.
-
-    Returns plain data: {"matches": [(pid, start_time, fd, target, key)], "vanished", "permission_denied",
-    "processes", "fds"}.
-    """
-    want_stat = bool(rdevs or inodes)
-    want_sockets = bool(sockets)
-    self_pid = os.getpid()
-    s_ischr = stat.S_ISCHR
-    found: list[tuple[int, int, str, tuple[Any, ...]]] = []
-    vanished = denied = processes = fds = 0
-    for name in os.listdir(proc_dir):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        if pid == self_pid:
-            continue
-        processes += 1
-        try:
-            dir_fd = os.open(f"{proc_dir}/{name}/fd", os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as exc:
-            if exc.errno in _DENIED:
-                denied += 1
-            else:
-                vanished += 1
-            continue
-        proc_denied = False
-        try:
-            try:
-                entries = os.listdir(dir_fd)
-            except OSError as exc:
-                if exc.errno in _DENIED:
-                    denied += 1
-                else:
-                    vanished += 1
-                continue
-            for entry in entries:
-                fds += 1
-                try:
-                    target = os.readlink(entry, dir_fd=dir_fd)
-                except OSError as exc:
-                    if exc.errno in _DENIED:
-                        proc_denied = True
-                    else:
-                        vanished += 1
-                    continue
-                if target.startswith("socket:["):
-                    if want_sockets:
-                        try:
-                            inode = int(target[8:-1])
-                        except ValueError:
-                            continue
-                        if inode in sockets:
-                            found.append((pid, int(entry), target, ("socket", inode)))
-                    continue
-                # pipe:[N], anon_inode:[eventfd], net:[N], mnt:[N] ... name no file we could want.
-                if not want_stat or not target.startswith("/"):
-                    continue
-                try:
-                    st = os.stat(entry, dir_fd=dir_fd)
-                except OSError as exc:
-                    if exc.errno in _DENIED:
-                        proc_denied = True
-                    else:
-                        vanished += 1
-                    continue
-                if rdevs and s_ischr(st.st_mode) and st.st_rdev in rdevs:
-                    found.append((pid, int(entry), target, ("rdev", st.st_rdev)))
-                elif inodes and (st.st_dev, st.st_ino) in inodes:
-                    found.append((pid, int(entry), target, ("inode", st.st_dev, st.st_ino)))
-        finally:
-            os.close(dir_fd)
-        if proc_denied:
-            denied += 1
-    start_times: dict[int, int | None] = {}
-    matches: list[tuple[int, int, int, str, tuple[Any, ...]]] = []
-    for pid, fd, target, key in found:
-        if pid not in start_times:
-            start_times[pid] = _start_time_or_none(proc_dir, pid)
-            if start_times[pid] is None:
-                vanished += 1
-        start = start_times[pid]
-        if start is not None:
-            matches.append((pid, start, fd, target, key))
-    return {
-        "matches": matches,
-        "vanished": vanished,
-        "permission_denied": denied,
-        "processes": processes,
-        "fds": fds,
-    }
-
-
-def _start_time_or_none(proc_dir: str, pid: int) -> int | None:
-    try:
-        with open(f"{proc_dir}/{pid}/stat", "rb") as handle:
-            text = handle.read().decode("utf-8", "replace")
-        return parse_start_time(text)
-    except (OSError, ValueError):
-        return None

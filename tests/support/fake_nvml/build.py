@@ -1,4 +1,5 @@
-"""Build the fake libnvidia-ml.so.1 (fake_nvml.c) with gcc into a directory, and write its device config."""
+"""Build the fake libnvidia-ml.so.1 (fake_nvml.c) and the static fake nvidia-smi (fake_nvidia_smi.c) with gcc,
+and write the fake library's device config."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "fake_nvml.c"
+SMI_SOURCE = Path(__file__).resolve().parent / "fake_nvidia_smi.c"
 LIBRARY_NAME = "libnvidia-ml.so.1"
 
 
@@ -19,6 +21,22 @@ def build_fake_nvml(out_dir: Path) -> Path:
     target = out_dir / LIBRARY_NAME
     subprocess.run(
         [gcc, "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-O1", "-o", str(target), str(SOURCE)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return target
+
+
+def build_fake_smi(target: Path) -> Path:
+    """Compile the fake nvidia-smi, static (it runs chrooted into a bare driver root), to `target`."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise FileNotFoundError("gcc")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [gcc, "-Wall", "-Wextra", "-Werror", "-static", "-O1", "-o", str(target), str(SMI_SOURCE)],
         check=True,
         capture_output=True,
         text=True,

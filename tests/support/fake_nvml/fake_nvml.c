@@ -1,5 +1,5 @@
 /*
- * A stand-in libnvidia-ml.so.1 for tests: exactly the NVML entry points probes/_nvml.py reaches through
+ * A stand-in libnvidia-ml.so.1 for tests: exactly the NVML entry points probes/gpu/nvml.py reaches through
  * nvidia-ml-py, with the C signatures and struct layouts of nvml.h, serving devices described in the text
  * file named by $FAKE_NVML_CONFIG (re-read at every nvmlInitWithFlags). One build serves every scenario.
  *
@@ -13,6 +13,7 @@
  *   recovery_action <n>  recovery_return <nvml code for the field>
  *   clock_event_reasons <bitmask>  memory_total_mib <n>  memory_used_mib <n>  temperature <C>  power_mw <mW>
  *   compute_process <pid> <used MiB>   graphics_process <pid> <used MiB>
+ *   mig_uuid <MIG-uuid>                (MIG mode on, one MIG device per line, up to 7)
  *   error <nvml function name> <code>  (that call returns the code; 3 = NOT_SUPPORTED, 15 = GPU_IS_LOST)
  *   handle_error <code>                (nvmlDeviceGetHandleByIndex_v2 fails for this device)
  * $FAKE_NVML_LOG, when set, names a file each call appends its function name to.
@@ -24,12 +25,13 @@
 typedef int nvmlReturn_t;
 enum {
     NVML_SUCCESS = 0, NVML_ERROR_UNINITIALIZED = 1, NVML_ERROR_INVALID_ARGUMENT = 2,
-    NVML_ERROR_NOT_SUPPORTED = 3, NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_NOT_SUPPORTED = 3, NVML_ERROR_NOT_FOUND = 6, NVML_ERROR_INSUFFICIENT_SIZE = 7,
 };
 
 #define MAX_GPUS 16
 #define MAX_PROCS 16
 #define MAX_ERRORS 32
+#define MAX_MIG 7
 
 struct fake_process { unsigned int pid; unsigned long long used; };
 struct fake_error { char call[80]; int code; };
@@ -47,6 +49,8 @@ struct fake_device {
     struct fake_error errors[MAX_ERRORS];
     int nerrors;
     int handle_error;
+    char mig_uuids[MAX_MIG][96];
+    int nmig;
 };
 typedef struct fake_device *nvmlDevice_t;
 
@@ -74,6 +78,7 @@ typedef struct {
 } nvmlFieldValue_t;
 
 static struct fake_device devices[MAX_GPUS];
+static struct fake_device mig_devices[MAX_GPUS][MAX_MIG]; /* what MIG device handles point at */
 static int ndevices, init_error, initialized;
 static char driver_version[80];
 
@@ -146,6 +151,8 @@ static void load_config(void) {
         else if (!strcmp(key, "temperature")) d->temperature = (unsigned int)n;
         else if (!strcmp(key, "power_mw")) d->power_mw = (unsigned int)n;
         else if (!strcmp(key, "handle_error")) d->handle_error = (int)n;
+        else if (!strcmp(key, "mig_uuid") && d->nmig < MAX_MIG)
+            snprintf(d->mig_uuids[d->nmig++], sizeof d->mig_uuids[0], "%s", rest);
         else if (!strcmp(key, "compute_process") || !strcmp(key, "graphics_process")) {
             int kind = key[0] == 'g';
             unsigned int pid = 0;
@@ -351,5 +358,28 @@ nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power) {
 
 nvmlReturn_t nvmlDeviceValidateInforom(nvmlDevice_t d) {
     ENTER(d);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *currentMode, unsigned int *pendingMode) {
+    ENTER(d);
+    *currentMode = *pendingMode = d->nmig > 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t d, unsigned int *count) {
+    ENTER(d);
+    *count = d->nmig > 0 ? MAX_MIG : 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t d, unsigned int index, nvmlDevice_t *migDevice) {
+    ENTER(d);
+    if (index >= MAX_MIG) return NVML_ERROR_INVALID_ARGUMENT;
+    if (index >= (unsigned int)d->nmig) return NVML_ERROR_NOT_FOUND;
+    struct fake_device *mig = &mig_devices[d - devices][index];
+    memset(mig, 0, sizeof *mig);
+    snprintf(mig->uuid, sizeof mig->uuid, "%s", d->mig_uuids[index]);
+    *migDevice = mig;
     return NVML_SUCCESS;
 }

@@ -1,0 +1,132 @@
+"""The checks of the npu probe and every reason it can give, with its status, meaning and fix."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from probes.base import Check, Reason, Status
+
+SMI = Check("npu.smi")
+HEALTH = Check("npu.health")
+HBM = Check("npu.hbm")
+HOLDERS = Check("npu.holders")
+
+NPU_SMI_FAILED = Reason(
+    "NpuSmiFailed",
+    Status.FAIL,
+    "npu-smi failed: -8020 (device held elsewhere), -8005 (DCMI init failed), permission, timeout, other DCMI "
+    "error; npu.health and npu.hbm are then unknown (no chip data)",
+    "find and stop the holder (see npu.holders), run the agent as root; check `dmesg`, reload the driver or reboot",
+    also=(Status.UNKNOWN,),
+)
+_HEALTH_FIX = (
+    "look the error codes up in Ascend's fault-code table (faultCode.json of the device plugin); drain the node "
+    "and reset the chip (npu-smi set -t reset -i CARD -c CHIP) or reboot; replace the card if it comes back"
+)
+NPU_HEALTH_WARNING = Reason(
+    "NpuHealthWarning",
+    Status.WARN,
+    "chip health Warning (a minor alarm); the status is npu.health_status's",
+    _HEALTH_FIX,
+    also=(Status.FAIL,),
+)
+NPU_HEALTH_ALARM = Reason(
+    "NpuHealthAlarm",
+    Status.FAIL,
+    "chip health Alarm (a major alarm); the status is npu.health_status's",
+    _HEALTH_FIX,
+    also=(Status.WARN,),
+)
+NPU_HEALTH_CRITICAL = Reason(
+    "NpuHealthCritical",
+    Status.FAIL,
+    "chip health Critical (an urgent alarm); the status is npu.health_status's",
+    _HEALTH_FIX,
+    also=(Status.WARN,),
+)
+NPU_HEALTH_UNRECOGNIZED = Reason(
+    "NpuHealthUnrecognized",
+    Status.UNKNOWN,
+    "a health word the agent does not know",
+    "map it in npu.health_status (ok, warn or fail)",
+)
+NPU_MISSING = Reason(
+    "NpuMissing",
+    Status.FAIL,
+    "a /dev/davinciN (or npu.expected_chips) chip npu-smi does not list, or a chip with health UNKNOWN "
+    "(absent or not started)",
+    "the chip fell off the bus or did not start: check `dmesg` for davinci/PCIe errors and `lspci -d 19e5:`; "
+    "reset or reboot the node; reseat or replace the card if it stays missing",
+)
+NPU_HBM_LOW = Reason(
+    "NpuHbmLow",
+    Status.FAIL,
+    "free HBM (DDR on 310/310P) below npu.min_hbm_free_mib",
+    "stop the leftover processes on the chip (npu-smi info lists them); if none, reset the chip or reboot",
+)
+NPU_HBM_LEAKED = Reason(
+    "NpuHbmLeaked",
+    Status.FAIL,
+    "more than npu.hbm_leak_min_mib of HBM in use with no process on the chip",
+    "memory of an exited job was not released: reset the chip (npu-smi set -t reset -i CARD -c CHIP) or reboot",
+)
+NPU_HBM_UNREPORTED = Reason(
+    "NpuHbmUnreported",
+    Status.UNKNOWN,
+    "npu-smi shows no device memory figures for the chip",
+    "run `npu-smi info` on the host to see what it prints for the chip",
+)
+NPU_HELD_OUT_OF_BAND = Reason(
+    "NpuHeldOutOfBand",
+    Status.FAIL,
+    "a process outside any pod holds the chip's /dev/davinciN (fail), or only the shared nodes davinci_manager, "
+    "devmm_svm, hisi_hdc (warn)",
+    "stop the process, container or service (the hint names the command and PIDs), or run it through "
+    "Kubernetes; a node daemon that must stay goes into npu.holder_ignore_commands",
+    also=(Status.WARN,),
+)
+NPU_SHARED_BY_PODS = Reason(
+    "NpuSharedByPods",
+    Status.FAIL,
+    "processes of two or more pods hold the same chip (two schedulers placed jobs on one NPU)",
+    "delete one of the pods (the hint names them) and let one scheduler own the NPUs (Volcano or the default "
+    "scheduler with the device plugin, not both)",
+)
+NPU_HOLDER_SCAN_FAILED = Reason(
+    "NpuHolderScanFailed",
+    Status.UNKNOWN,
+    "the /proc/*/fd scan failed, or some processes could not be read (named in the message); out-of-band "
+    "holders it did find are still reported",
+    "look for processes in D state (ps -eo pid,stat,cmd) and hung mounts (storage.mounts)",
+)
+
+REASONS = (
+    NPU_SMI_FAILED,
+    NPU_HEALTH_WARNING,
+    NPU_HEALTH_ALARM,
+    NPU_HEALTH_CRITICAL,
+    NPU_HEALTH_UNRECOGNIZED,
+    NPU_MISSING,
+    NPU_HBM_LOW,
+    NPU_HBM_LEAKED,
+    NPU_HBM_UNREPORTED,
+    NPU_HELD_OUT_OF_BAND,
+    NPU_SHARED_BY_PODS,
+    NPU_HOLDER_SCAN_FAILED,
+)
+_BY_CODE = {reason.code: reason for reason in REASONS}
+
+
+def health_reason(word: str) -> Reason:
+    """The reason of a health word mapped in npu.health_status: NpuHealthWarning, NpuHealthAlarm, ... and, for a
+    word an operator added, NpuHealth<Word> (warn or fail, as mapped)."""
+    code = "NpuHealth" + "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]+", word))
+    return _BY_CODE.get(code) or Reason(
+        code, Status.FAIL, f"chip health {word} (mapped in npu.health_status)", _HEALTH_FIX, also=(Status.WARN,)
+    )
+
+
+def configured_health_reasons(health_status: Mapping[str, str]) -> list[Reason]:
+    """The reasons the configured health words can produce (the probe allows them beside REASONS)."""
+    return [health_reason(word) for word, status in health_status.items() if status != "ok"]
