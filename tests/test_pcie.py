@@ -1,5 +1,6 @@
-"""probes/pcie.py on temporary sysfs trees in the kernel's formats: symlinked functions under
-bus/pci/devices, ports above them, AER counters that change between runs, trained-down links."""
+"""probes/pcie on temporary sysfs trees in the kernel's formats: symlinked functions under bus/pci/devices,
+ports above them, AER counters that change between runs, trained-down links, and the accelerators the npu and
+gpu probes publish, whose findings carry their device index."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from pathlib import Path
 import pytest
 
 from agent.config import parse_config
+from agent.state import HealthState, ProbeSpec
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
-from probes.pcie.pcie import PcieProbe, discover_functions, parse_aer_counters, parse_link_speed
+from probes.pcie.aer import parse_aer_counters
+from probes.pcie.pcie import PcieProbe
+from probes.pcie.sysfs import discover_functions, parse_link_speed
 from probes.runtime.host import Host
 
 COR_NAMES = ["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF"]
@@ -424,3 +428,82 @@ def test_cli_check_json_on_a_sysfs_tree(tree: SysTree, tmp_path: Path) -> None:
     result = subprocess.run(cli, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 2
     assert "pcie.vendors" in result.stderr
+
+
+# --- findings tied to the accelerator on the bus ---------------------------------------------------------
+
+
+def ready(output: list[Finding | Sample], devices: set[int] | None) -> bool:
+    """What /ready?devices= answers for this output, through the agent's own state and verdict."""
+    state = HealthState("node-a", fail_threshold=1, recovery_threshold=1)
+    state.configure([ProbeSpec("pcie", PcieProbe.checks, 30.0, 5.0)])
+    state.record("pcie", [item for item in output if isinstance(item, Finding)])
+    return state.snapshot.evaluate(devices=devices).ready
+
+
+def test_errors_on_an_npu_or_the_port_above_it_carry_the_device(tree: SysTree) -> None:
+    """Field failure: an error on npu1's bus named only the PCI address and refused /ready?devices=2,3."""
+    clock = Clock()
+    probe = PcieProbe(clock)
+    ctx = ctx_for(tree)
+    # as the npu probe publishes them: logical id, name and npu-smi's Bus-Id
+    ctx.host.devices.publish("npu", [(0, "npu0", "0000:01:00.0"), (1, "npu1", "0000:83:00.0")])
+    probe.run(ctx)
+    tree.set_aer(tree.root / "devices" / Path(*NPU1[:4]), fatal={"SDES": 1})
+    clock.now += 30
+    out = probe.run(ctx)
+    aer = findings(out, "pcie.aer")
+    port = aer["0000:82:00.0"]
+    assert (port.status, port.reason, port.device, port.category) == (Status.FAIL, "PcieFatalErrors", 1, "npu")
+    assert port.message.startswith("npu1 (0000:83:00.0), port 0000:82:00.0 above it: 1 new fatal PCIe error")
+    assert port.observed["accelerator"] == "npu1"
+    npu1 = aer["0000:83:00.0"]
+    assert (npu1.status, npu1.device) == (Status.OK, 1)
+    assert npu1.message.startswith("npu1 (0000:83:00.0): no uncorrectable PCIe errors")
+    assert (aer["0000:01:00.0"].device, aer["0000:00:01.0"].device) == (0, 0)
+    link = findings(out, "pcie.link")
+    assert link["0000:82:00.0"].device == 1 and link["0000:83:00.0"].message.startswith("npu1 (0000:83:00.0): link")
+    assert ready(out, {0, 2, 3})  # a job on other devices is not refused
+    assert not ready(out, {1}) and not ready(out, None)
+
+
+def test_a_port_above_several_accelerators_reports_for_each(tree: SysTree) -> None:
+    """Two NPU functions of one card below one port: one finding per device, so each device's jobs see it."""
+    card = ["pci0000:90", "0000:90:00.0"]
+    tree.add(card, "0x8086", "0x347a", "0x060400")
+    tree.add([*card, "0000:91:00.0"], "0x19e5", "0xd500", "0x120000")
+    tree.add([*card, "0000:91:00.1"], "0x19e5", "0xd500", "0x120000")
+    tree.set_link(tree.root / "devices" / Path(*card), 4, 16, "16.0 GT/s PCIe", "16.0 GT/s PCIe")
+    ctx = ctx_for(tree)
+    ctx.host.devices.publish("npu", [(2, "npu2", "0000:91:00.0"), (3, "npu3", "0000:91:00.1")])
+    out = PcieProbe(Clock()).run(ctx)
+    link = findings(out, "pcie.link")
+    assert "0000:90:00.0" not in link
+    for subject, device in (("0000:90:00.0/npu2", 2), ("0000:90:00.0/npu3", 3)):
+        finding = link[subject]
+        assert (finding.status, finding.reason, finding.device) == (Status.WARN, "PcieLinkDegraded", device)
+        assert finding.message.startswith(f"npu{device} (0000:91:00.{device - 2}), port 0000:90:00.0 above it:")
+    # samples stay one set per function: 3 AER severities and 4 link gauges
+    assert len([s for s in out if isinstance(s, Sample) and s.labels.get("device") == "0000:90:00.0"]) == 7
+    assert findings(out, "pcie.aer")["0000:91:00.1"].device == 3
+
+
+def test_a_gpu_published_in_nvml_spelling_ties_its_findings(tree: SysTree) -> None:
+    gpu = ["pci0000:3a", "0000:3a:00.0", "0000:3b:00.0"]
+    tree.add(gpu[:2], "0x8086", "0x347a", "0x060400")
+    tree.add(gpu, "0x10de", "0x2330", "0x030200")
+    tree.set_link(tree.root / "devices" / Path(*gpu), 8, 16, "32.0 GT/s PCIe", "32.0 GT/s PCIe")
+    ctx = ctx_for(tree, vendors=["0x10de"])
+    # NVML's Bus-Id has an 8-digit domain and capitals; a published device absent from this sysfs is ignored
+    ctx.host.devices.publish("gpu", [(5, "gpu5", "00000000:3B:00.0"), (6, "gpu6", "00000000:DB:00.0")])
+    link = findings(PcieProbe(Clock()).run(ctx), "pcie.link")
+    degraded = link["0000:3b:00.0"]
+    assert (degraded.reason, degraded.device, degraded.category) == ("PcieLinkDegraded", 5, "gpu")
+    assert degraded.message == "gpu5 (0000:3b:00.0): PCIe link degraded: x8 of x16 lanes"
+    assert link["0000:3a:00.0"].device == 5
+
+
+def test_without_a_published_device_findings_are_node_wide(tree: SysTree) -> None:
+    out = PcieProbe(Clock()).run(ctx_for(tree))
+    assert all(f.device is None for f in out if isinstance(f, Finding))
+    assert findings(out, "pcie.aer")["0000:83:00.0"].message.startswith("0000:83:00.0 (endpoint): ")

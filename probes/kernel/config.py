@@ -9,11 +9,17 @@ from pydantic import Field, field_validator
 
 from probes.base import CATEGORIES, PositiveSeconds, Section
 
+# A rule's reason becomes a taint value and a Node condition reason: Kubernetes takes at most 63 characters
+# there (a longer one made every Node PATCH fail with 422), and CamelCase is what condition reasons use.
+RULE_REASON = re.compile(r"^[A-Z][A-Za-z0-9]{0,62}$")
+# The kernel.log probe's own reasons (and the common ones): a rule may not raise them.
+RESERVED_REASONS = frozenset({"OK", "NotApplicable", "ParseError", "KernelLogUnavailable", "KernelLogReadFailed"})
+
 
 class KernelLogRule(Section):
     """One node-problem-detector style rule: a regex over kernel-facility /dev/kmsg messages → a reason."""
 
-    reason: str = Field(pattern=r"^[A-Z][A-Za-z0-9]*$")
+    reason: str
     pattern: str
     # temporary: reported with `status`; permanent: reported as fail. Both clear after the quiet period.
     type: Literal["temporary", "permanent"] = "temporary"
@@ -27,6 +33,20 @@ class KernelLogRule(Section):
     recover_pattern: str | None = None
     quiet_period_seconds: PositiveSeconds | None = None  # None: kernel_log.quiet_period_seconds
     hint: str = ""
+    # What the reason means, for the reason reference (node-health probes --reasons, the docs' tables).
+    meaning: str = ""
+
+    @field_validator("reason")
+    @classmethod
+    def _kubernetes_reason(cls, value: str) -> str:
+        if not RULE_REASON.fullmatch(value):
+            raise ValueError(
+                f"must be CamelCase letters and digits starting with a capital, at most 63 characters "
+                f"(it becomes a taint value and a Node condition reason); got {len(value)} characters"
+            )
+        if value in RESERVED_REASONS:
+            raise ValueError(f"{value!r} is a reason of the kernel.log probe itself; choose another")
+        return value
 
     @field_validator("category")
     @classmethod

@@ -12,6 +12,7 @@ GPU_FATAL_XIDS = ("48", "63", "64", "74", "79", "92", "94", "95")
 DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "PcieAerFatal",
+        "meaning": "the kernel logged a fatal uncorrectable PCIe AER error (drivers/pci/pcie/aer.c)",
         "pattern": r"AER: (?:Multiple )?Uncorrect(?:ed|able) \(Fatal\) error"
         r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Fatal\)",
         "type": "permanent",
@@ -21,6 +22,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "PcieAerNonFatal",
+        "meaning": "the kernel logged a non-fatal uncorrectable PCIe AER error",
         "pattern": r"AER: (?:Multiple )?Uncorrect(?:ed|able) \(Non-Fatal\) error"
         r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Non-Fatal\)",
         "status": "warn",
@@ -28,6 +30,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "PcieCorrectableBurst",
+        "meaning": "the kernel logged corrected PCIe AER errors at 10 or more within 60 s (a marginal link)",
         "pattern": r"AER: (?:Multiple )?Correct(?:ed|able) error|PCIe Bus Error: severity=Correct(?:ed|able)",
         "count": 10,
         "window_seconds": 60,
@@ -37,6 +40,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "GpuXid",
+        "meaning": "the NVIDIA driver logged an XID error (NVRM: Xid); XIDs 48, 63, 64, 74, 79, 92, 94 and 95 fail",
         "pattern": r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+)",
         "status": "warn",
         "category": "gpu",
@@ -46,6 +50,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "NpuDriverHeartbeatLost",
+        "meaning": "the Ascend driver logged a lost or timed-out heartbeat of an NPU (spelling inferred)",
         "pattern": r"(?i)(?:\[ascend\]|devdrv|davinci|hdc|tsdrv|drv_pcie).*heart ?beat"
         r".*(?:lost|timeout|timed out|abnormal)",
         "status": "fail",
@@ -55,6 +60,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "NpuDriverError",
+        "meaning": "the Ascend driver logged 20 or more errors within 300 s (spelling inferred)",
         "pattern": r"^\[ascend\] (?:\[ERROR\] )?\[[^\]]+\] \[[^\]]+\].*(?i:fail|error|timeout|abnormal)",
         "count": 20,
         "window_seconds": 300,
@@ -65,6 +71,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "OomKill",
+        "meaning": "the kernel's OOM killer (global or a memory cgroup) killed a process",
         "pattern": r"Out of memory: Kill(?:ed)? process \d+|Memory cgroup out of memory: Kill(?:ed)? process \d+",
         "status": "warn",
         "hint": "the kernel killed a process for memory: compare the job's memory limit with its use, and look for "
@@ -72,6 +79,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "HungTask",
+        "meaning": "a task was blocked in uninterruptible sleep for more than the hung-task timeout",
         "pattern": r"task .+:\d+ blocked for more than \d+ seconds",
         "status": "warn",
         "hint": "a task sat in uninterruptible sleep for minutes, usually on a hung filesystem (NFS) or device: "
@@ -79,6 +87,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "NfsServerNotResponding",
+        "meaning": "an NFS server stopped answering (cleared at once by its `nfs: server X OK` line)",
         "pattern": r"nfs: server (?P<server>\S+) not responding",
         "recover_pattern": r"nfs: server \S+ OK",
         "status": "warn",
@@ -88,6 +97,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "Ext4Error",
+        "meaning": "ext4 reported an error or remounted a filesystem read-only",
         "pattern": r"EXT4-fs error|EXT4-fs \([^)]+\): Remounting filesystem read-only",
         "type": "permanent",
         "status": "fail",
@@ -96,6 +106,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     },
     {
         "reason": "XfsError",
+        "meaning": "XFS reported an I/O error, corruption or a shutdown",
         "pattern": r"XFS \([^)]+\): .*(?i:error|corrupt|shut ?down|shutting down)",
         "type": "permanent",
         "status": "fail",

@@ -1,0 +1,236 @@
+"""The kernel.log rule engine: node-problem-detector style rules over kernel messages.
+
+A rule raises its reason after `count` matches within `window_seconds` and the problem clears after a quiet
+period without a match (or at once on the rule's recover_pattern). Every reason a rule can raise is a
+declared Reason of the probe (`rule_reasons`), built from the rules in force.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from probes.base import Check, Finding, Reason, Status
+from probes.kernel.config import KernelLogConfig, KernelLogRule
+
+CHECK = "kernel.log"
+LOG = Check(CHECK)
+DEFAULT_HINT = "read the kernel log around this line (dmesg -T)"
+
+
+def effective_rules(settings: KernelLogConfig) -> list[KernelLogRule]:
+    """The rules in force: `rules` (the defaults unless replaced) plus `extra_rules`."""
+    return list(settings.rules) + list(settings.extra_rules)
+
+
+def _base_status(spec: KernelLogRule) -> Status:
+    return Status.FAIL if spec.type == "permanent" or spec.status == "fail" else Status.WARN
+
+
+def rule_reasons(rules: Sequence[KernelLogRule]) -> tuple[Reason, ...]:
+    """One Reason per rule reason: the first rule of a reason sets its status, meaning and hint (as the engine
+    does); a `fail_on` on any rule of that reason adds fail."""
+    by_reason: dict[str, list[KernelLogRule]] = {}
+    for rule in rules:
+        by_reason.setdefault(rule.reason, []).append(rule)
+    out = []
+    for code, specs in by_reason.items():
+        first = specs[0]
+        status = _base_status(first)
+        also = (Status.FAIL,) if status == Status.WARN and any(spec.fail_on for spec in specs) else ()
+        meaning = first.meaning or (
+            f"{first.count} kernel message(s) matching {first.pattern!r} within {first.window_seconds:g}s"
+        )
+        out.append(Reason(code, status, meaning, first.hint or DEFAULT_HINT, also))
+    return tuple(out)
+
+
+@dataclass
+class _RuleState:
+    """What the engine remembers of one reason between runs."""
+
+    match_times: deque[float]
+    active: bool = False
+    fail: bool = False  # a fail_on value was seen while active
+    last_match_at: float | None = None
+    last_line: str = ""
+    matches_total: int = 0
+    matches_while_active: int = 0
+    values: dict[str, list[str]] = field(default_factory=dict)  # named group → distinct values while active
+
+    def clear(self) -> None:
+        self.active = False
+        self.fail = False
+        self.match_times.clear()
+        self.matches_while_active = 0
+        self.values = {}
+
+    def in_window(self, now: float, window: float) -> int:
+        return sum(1 for t in self.match_times if now - t <= window)
+
+    def note_groups(self, found: re.Match[str], fail_on: dict[str, list[str]]) -> None:
+        for group, value in found.groupdict().items():
+            if value is None:
+                continue
+            seen = self.values.setdefault(group, [])
+            if value not in seen and len(seen) < 16:
+                seen.append(value)
+            if value in fail_on.get(group, ()):
+                self.fail = True
+
+
+@dataclass(frozen=True)
+class _CompiledRule:
+    spec: KernelLogRule
+    regex: re.Pattern[str]
+    recover: re.Pattern[str] | None
+
+
+class RuleEngine:
+    """Matches messages against rules; raises a problem after `count` matches within `window_seconds` and
+    clears it after a quiet period without a match (or at once on the rule's recover_pattern).
+
+    Pure logic with an injectable clock, so window and quiet-period timing is testable without sleeping.
+    """
+
+    def __init__(
+        self,
+        rules: Sequence[KernelLogRule],
+        quiet_period_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_line_chars: int = 240,
+    ) -> None:
+        self.clock = clock
+        self.quiet_period_seconds = quiet_period_seconds
+        self.max_line_chars = max_line_chars
+        self._rules: list[_CompiledRule] = []
+        self._states: dict[str, _RuleState] = {}
+        self._reasons: dict[str, Reason] = {}
+        self.configure(rules, quiet_period_seconds)
+
+    def configure(self, rules: Sequence[KernelLogRule], quiet_period_seconds: float) -> None:
+        """(Re)load rules; the state of reasons that remain is kept."""
+        self.quiet_period_seconds = quiet_period_seconds
+        self._rules = [
+            _CompiledRule(
+                rule, re.compile(rule.pattern), re.compile(rule.recover_pattern) if rule.recover_pattern else None
+            )
+            for rule in rules
+        ]
+        self._reasons = {reason.code: reason for reason in rule_reasons(rules)}
+        wanted: dict[str, int] = {}
+        for rule in rules:
+            wanted[rule.reason] = max(wanted.get(rule.reason, 1), rule.count)
+        for reason in list(self._states):
+            if reason not in wanted:
+                del self._states[reason]
+        for reason, count in wanted.items():
+            state = self._states.get(reason)
+            if state is None:
+                self._states[reason] = _RuleState(match_times=deque(maxlen=count))
+            elif state.match_times.maxlen != count:
+                state.match_times = deque(state.match_times, maxlen=count)
+
+    @property
+    def reasons(self) -> list[str]:
+        return list(self._states)
+
+    def matches_total(self, reason: str) -> int:
+        return self._states[reason].matches_total
+
+    def observe(self, message: str) -> list[str]:
+        """Feed one kernel message; returns the reasons it matched."""
+        matched: list[str] = []
+        now = self.clock()
+        for rule in self._rules:
+            spec = rule.spec
+            state = self._states[spec.reason]
+            self._expire(spec, state, now)
+            if rule.recover is not None and rule.recover.search(message):
+                state.clear()
+                continue
+            found = rule.regex.search(message)
+            if found is None:
+                continue
+            matched.append(spec.reason)
+            state.matches_total += 1
+            state.match_times.append(now)
+            state.last_line = message[: self.max_line_chars]
+            if not state.active and state.in_window(now, spec.window_seconds) >= spec.count:
+                state.active = True
+                state.matches_while_active = 0
+                state.values = {}
+            if state.active:
+                state.last_match_at = now
+                state.matches_while_active += 1
+                state.note_groups(found, spec.fail_on)
+        return matched
+
+    def observe_all(self, messages: Iterable[str]) -> None:
+        for message in messages:
+            self.observe(message)
+
+    def _quiet_period(self, spec: KernelLogRule) -> float:
+        return spec.quiet_period_seconds or self.quiet_period_seconds
+
+    def _expire(self, spec: KernelLogRule, state: _RuleState, now: float) -> None:
+        if state.active and state.last_match_at is not None and now - state.last_match_at >= self._quiet_period(spec):
+            state.clear()
+
+    def findings(self) -> list[Finding]:
+        """One finding per reason: the problem while active, else OK. Expires problems past their quiet period."""
+        now = self.clock()
+        specs: dict[str, KernelLogRule] = {}
+        for rule in self._rules:
+            specs.setdefault(rule.spec.reason, rule.spec)
+        out: list[Finding] = []
+        for reason, spec in specs.items():
+            state = self._states[reason]
+            self._expire(spec, state, now)
+            in_window = state.in_window(now, spec.window_seconds)
+            observed: dict[str, Any] = {
+                "matches_in_window": in_window,
+                "matches_total": state.matches_total,
+                "count": spec.count,
+                "window_seconds": spec.window_seconds,
+            }
+            if state.active:
+                out.append(self._problem(spec, state, observed, now))
+                continue
+            message = f"no {reason} problem in the kernel log"
+            if in_window:
+                message = (
+                    f"{in_window} {reason} line(s) within {spec.window_seconds:g}s, below the {spec.count} "
+                    f"that raise it; last: {state.last_line}"
+                )
+            out.append(LOG.ok(reason, message, observed, category=spec.category))
+        return out
+
+    def _problem(self, spec: KernelLogRule, state: _RuleState, observed: dict[str, Any], now: float) -> Finding:
+        quiet = self._quiet_period(spec)
+        status = Status.FAIL if state.fail else _base_status(spec)
+        ago = now - (state.last_match_at or now)
+        observed.update(
+            {
+                "matches_while_active": state.matches_while_active,
+                "last_match_seconds_ago": round(ago, 1),
+                "clears_in_seconds": round(max(0.0, quiet - ago), 1),
+            }
+        )
+        for group, values in state.values.items():
+            observed[group] = values[-1]
+            if len(values) > 1:
+                observed[f"{group}_values"] = list(values)
+        return LOG.report(
+            self._reasons[spec.reason],
+            spec.reason,
+            f"kernel log: {state.matches_while_active} {spec.reason} line(s), last {ago:.0f}s ago: {state.last_line}",
+            observed,
+            hint=f"{spec.hint or DEFAULT_HINT} (clears after {quiet:g}s without a new match)",
+            status=status,
+            category=spec.category,
+        )
