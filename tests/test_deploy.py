@@ -1,37 +1,95 @@
-"""deploy/ manifests and the Dockerfile: schema-valid against current Kubernetes, and saying what the design asks."""
+"""deploy/: schema-valid manifests and kustomize renders, a shipped config that is ready on a healthy node, and the
+taint-safety example and docs (docs/deployment.md) naming every category.
+
+- kubernetes-validate (strict) checks every manifest and every rendered kustomization against Kubernetes 1.30 (the
+  oldest supported: v1 admission policies, the node claim in ServiceAccount tokens) and the newest it knows.
+- `kubectl kustomize` renders deploy/, an overlay with components/no-admission-policy, and the device-plugin
+  tolerations example applied to sample device-plugin DaemonSets.
+- The shipped config (taken from the render) runs `node-health check` against a host root whose resolv.conf
+  names a loopback DNS server that answers NXDOMAIN for cluster.local names, as datacenter resolvers do.
+The admission policy's CEL is evaluated in tests/test_admission_policy.py.
+"""
 
 from __future__ import annotations
 
 import copy
+import ctypes
+import json
+import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
-from support.system import REPO, require_tool
+from support.netservers import DnsTestServer, ZoneResolver
+from support.system import REPO, require_root, require_tool
 
 from agent.config import parse_config
 from probes import all_probes
+from probes.base import CATEGORIES
 
 DEPLOY = REPO / "deploy"
 MANIFESTS = sorted(p for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
+NO_ADMISSION_POLICY = DEPLOY / "components" / "no-admission-policy"
+TOLERATIONS_EXAMPLE = DEPLOY / "examples" / "device-plugin-tolerations"
+DEPLOYMENT_DOC = REPO / "docs" / "deployment.md"
 # The newest Kubernetes the installed kubernetes-validate knows, and the oldest we support (v1 admission policies).
 VERSIONS = [kubernetes_validate.utils.latest_version(), "1.30"]
 NAMESPACE = "node-health"
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy"}
+CLUSTER_SCOPED |= {"ValidatingAdmissionPolicyBinding"}
+TAINT_KEYS = {f"node-health/{category}" for category in CATEGORIES}
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def find(kind: str, name: str | None = None) -> dict[str, Any]:
-    for path in MANIFESTS:
-        for doc in documents(path):
-            if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name):
-                return doc
+def find(kind: str, name: str | None = None, docs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    candidates = docs if docs is not None else [doc for path in MANIFESTS for doc in documents(path)]
+    for doc in candidates:
+        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name):
+            return doc
     raise AssertionError(f"no {kind} {name or ''} in deploy/")
+
+
+def kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
+    kubectl = require_tool("kubectl")
+    return subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+
+
+def rendered(directory: Path) -> list[dict[str, Any]]:
+    result = kustomize(directory)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def overlay(directory: Path, resources: list[Path | str], components: tuple[Path, ...] = ()) -> Path:
+    """A kustomization of our own in `directory`; kustomize takes only relative paths to other kustomizations."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def relative(path: Path | str) -> str:
+        return os.path.relpath(path, directory) if isinstance(path, Path) else path
+
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [relative(r) for r in resources],
+        "components": [relative(c) for c in components],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return directory
+
+
+def kinds(docs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return sorted((doc["kind"], doc["metadata"]["name"]) for doc in docs)
+
+
+# --- manifests and renders --------------------------------------------------------------------------------
 
 
 def test_validator_knows_a_current_kubernetes() -> None:
@@ -48,6 +106,16 @@ def test_manifest_validates(path: Path, version: str) -> None:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rendered_kustomizations_validate(version: str, tmp_path: Path) -> None:
+    without_policy = overlay(tmp_path / "older-cluster", [DEPLOY], (NO_ADMISSION_POLICY,))
+    for directory in (DEPLOY, without_policy):
+        docs = rendered(directory)
+        assert len(docs) >= 10
+        for doc in docs:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
 def test_validator_rejects_a_wrong_manifest() -> None:
     daemonset = copy.deepcopy(find("DaemonSet"))
     daemonset["spec"]["template"]["spec"]["hostPid"] = True  # misspelt: strict validation must catch it
@@ -55,23 +123,37 @@ def test_validator_rejects_a_wrong_manifest() -> None:
         kubernetes_validate.validate(daemonset, VERSIONS[0], strict=True)
 
 
-def test_kustomization_installs_everything() -> None:
+def test_kustomization_installs_everything_the_admission_policy_included() -> None:
     kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
     assert kustomization["kind"] == "Kustomization"
-    assert kustomization["namespace"] == NAMESPACE
     listed = set(kustomization["resources"])
-    for name in listed:
-        assert (DEPLOY / name).is_file(), name
-    optional = {"admission-policy.yaml"}
-    assert listed == {p.name for p in MANIFESTS} - optional
-    for path in MANIFESTS:
-        for doc in documents(path):
-            namespace = doc["metadata"].get("namespace")
-            assert namespace in (None, NAMESPACE), (path.name, doc["kind"])
+    assert listed == {p.name for p in MANIFESTS}
+    docs = rendered(DEPLOY)
+    assert kinds(docs) == sorted(kinds([doc for path in MANIFESTS for doc in documents(path)]))
+    assert ("ValidatingAdmissionPolicy", "node-health-own-node") in kinds(docs)
+    assert ("ValidatingAdmissionPolicyBinding", "node-health-own-node") in kinds(docs)
+    for doc in docs:
+        namespace = doc["metadata"].get("namespace")
+        if doc["kind"] in CLUSTER_SCOPED:
+            assert namespace is None, f"{doc['kind']} is cluster-scoped: kustomize must not give it a namespace"
+        else:
+            assert namespace == NAMESPACE, (doc["kind"], doc["metadata"]["name"])
     images = {i["name"] for i in kustomization.get("images", [])}
     ds_image = find("DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"].split(":")[0]
     assert ds_image in images
+
+
+def test_no_admission_policy_component_leaves_out_only_the_policy(tmp_path: Path) -> None:
+    component = yaml.safe_load((NO_ADMISSION_POLICY / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    full = kinds(rendered(DEPLOY))
+    older = kinds(rendered(overlay(tmp_path / "older-cluster", [DEPLOY], (NO_ADMISSION_POLICY,))))
+    assert set(full) - set(older) == {
+        ("ValidatingAdmissionPolicy", "node-health-own-node"),
+        ("ValidatingAdmissionPolicyBinding", "node-health-own-node"),
+    }
+    assert set(older) < set(full)
 
 
 def test_daemonset_has_what_the_agent_needs() -> None:
@@ -111,54 +193,32 @@ def test_daemonset_has_what_the_agent_needs() -> None:
         assert memory.endswith("Mi") and int(memory[:-2]) <= 128, memory
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod.get("hostNetwork") is False, "port 9100 on the host is node-exporter's"
+    # The pod's resolver answers the cluster names (network.dns.cluster_names): ClusterFirst, not the node's.
+    assert pod["dnsPolicy"] == "ClusterFirst"
 
 
-def test_rbac_is_least_privilege() -> None:
-    cluster_role = find("ClusterRole", "node-health")
-    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in cluster_role["rules"]}
-    assert rules == {
-        (("",), ("nodes",)): {"get", "list", "watch", "patch"},
-        (("",), ("nodes/status",)): {"patch"},
-        (("", "events.k8s.io"), ("events",)): {"create", "patch"},
-    }
-    role = find("Role", "node-health-budget")
-    assert role["metadata"]["namespace"] == NAMESPACE
-    for rule in role["rules"]:
-        assert rule["resources"] == ["configmaps"]
-        assert set(rule["verbs"]) <= {"get", "update", "create"}
-        if set(rule["verbs"]) != {"create"}:
-            assert rule["resourceNames"] == ["node-health-budget"]
+def test_rbac_has_no_wildcards_and_binds_the_agent() -> None:
+    # The exact verbs are proven against the calls the kube package makes (tests/test_kube_*.py).
     for path in MANIFESTS:
         for doc in documents(path):
             for rule in doc.get("rules", []):
                 assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], path.name
-    binding = find("RoleBinding", "node-health-budget")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "node-health", "namespace": NAMESPACE}]
-    assert find("ClusterRoleBinding", "node-health")["subjects"] == binding["subjects"]
+    role = find("Role", "node-health-budget")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    for rule in role["rules"]:
+        assert rule["resources"] == ["configmaps"]
+        if set(rule["verbs"]) != {"create"}:
+            assert rule["resourceNames"] == ["node-health-budget"]
+    subjects = [{"kind": "ServiceAccount", "name": "node-health", "namespace": NAMESPACE}]
+    assert find("RoleBinding", "node-health-budget")["subjects"] == subjects
+    assert find("ClusterRoleBinding", "node-health")["subjects"] == subjects
 
 
 def test_service_reaches_the_agent_on_the_same_node() -> None:
     service = find("Service", "agent")
     assert service["spec"]["internalTrafficPolicy"] == "Local"
-    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(9100, "http")]
     pod_labels = find("DaemonSet")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
-
-
-def test_default_config_is_valid() -> None:
-    configmap = find("ConfigMap", "node-health-config")
-    config = parse_config(yaml.safe_load(configmap["data"]["config.yaml"]), all_probes())
-    assert config.host.root == "/host"
-    assert config.kubernetes.enabled and not config.kubernetes.dry_run
-    assert config.kubernetes.max_unhealthy == "10%"
-
-
-def test_admission_policy_binds_its_policy() -> None:
-    policy = find("ValidatingAdmissionPolicy", "node-health-own-node")
-    binding = find("ValidatingAdmissionPolicyBinding", "node-health-own-node")
-    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
-    assert binding["spec"]["validationActions"] == ["Deny"]
-    assert "system:serviceaccount:node-health:node-health" in policy["spec"]["matchConditions"][0]["expression"]
 
 
 def test_dockerfile_is_hadolint_clean() -> None:
@@ -167,6 +227,250 @@ def test_dockerfile_is_hadolint_clean() -> None:
         [hadolint, "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    text = (REPO / "Dockerfile").read_text()
-    assert all(line.startswith("FROM python:3.11-slim") for line in text.splitlines() if line.startswith("FROM"))
-    assert "util-linux" in text and "nsenter --version" in text and "py-spy --version" in text
+
+
+# --- the shipped config ----------------------------------------------------------------------------------------
+
+
+def shipped_config() -> dict[str, Any]:
+    """The config.yaml the default kustomization installs (from the render, as the cluster gets it)."""
+    configmap = find("ConfigMap", "node-health-config", rendered(DEPLOY))
+    return dict(yaml.safe_load(configmap["data"]["config.yaml"]))
+
+
+def test_shipped_config_is_valid_and_resolves_no_cluster_name_with_the_node_resolver() -> None:
+    raw = shipped_config()
+    config = parse_config(raw, all_probes())
+    assert config.host.root == "/host"
+    assert config.kubernetes.enabled and not config.kubernetes.dry_run
+    assert config.kubernetes.max_unhealthy == "10%"
+    assert raw["network"]["dns"]["names"] == []
+    assert "cluster.local" not in json.dumps(raw)
+
+
+def kernel_clock_unsynchronised() -> bool:
+    """adjtimex(2) with modes 0 only reads; it returns TIME_ERROR (5) while the kernel clock is unsynchronised."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    timex = ctypes.create_string_buffer(512)  # struct timex is 208 bytes on 64-bit Linux; modes (offset 0) = 0
+    return int(libc.adjtimex(timex)) == 5
+
+
+def hccl_ports_reserved() -> bool:
+    reserved = Path("/proc/sys/net/ipv4/ip_local_reserved_ports").read_text().strip()
+    return bool(reserved)
+
+
+def for_this_machine(config: dict[str, Any], host_root: Path) -> dict[str, Any]:
+    """What differs between a node's DaemonSet pod and this test machine, and nothing else.
+
+    - host.root: the node's / is mounted at /host in the pod; here a directory whose etc/resolv.conf names the
+      loopback DNS server.
+    - `nsenter -t 1`: in the pod it leaves the container's mount namespace for the host's. Here the agent already
+      runs in the host's namespaces, and PID 1 is the sandbox's init, whose namespaces root may not open; the same
+      nsenter command enters this test's own namespaces instead.
+    - kubernetes.enabled: there is no API server; the Node side is tested against the API double elsewhere.
+    """
+    adjusted = copy.deepcopy(config)
+    adjusted["host"]["root"] = str(host_root)
+    for family, key in (("npu", "smi_command"), ("gpu", "smi_command"), ("time", "chronyc_command")):
+        command = adjusted[family][key]
+        assert command[:3] == ["nsenter", "-t", "1"], command
+        adjusted[family][key] = [command[0], "-t", str(os.getpid()), *command[3:]]
+    adjusted["kubernetes"]["enabled"] = False
+    return adjusted
+
+
+def run_check(config: dict[str, Any], directory: Path) -> dict[str, Any]:
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # a node, not a pod
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "check", "--config", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert result.stdout.strip(), result.stderr
+    return dict(json.loads(result.stdout))
+
+
+@pytest.mark.system
+def test_shipped_config_is_ready_on_a_healthy_node(tmp_path: Path) -> None:
+    """Nothing fails and nothing is unknown; a check that cannot apply here (no NPU, GPU, Huawei PCIe function,
+    mounts, egress targets) skips. Two warns are allowed, each only while this machine really is that way: the
+    VM runs no NTP daemon (the kernel says its clock is unsynchronised), and it reserves no HCCL ports."""
+    require_root()  # port 53, nsenter
+    require_tool("nsenter")
+    host_root = tmp_path / "host"
+    (host_root / "etc").mkdir(parents=True)
+    dns = DnsTestServer(ZoneResolver({"registry.dc.example": "127.0.0.1"}), address="127.83.0.53", port=53)
+    try:
+        (host_root / "etc" / "resolv.conf").write_text(f"nameserver {dns.host}\n")
+        config = for_this_machine(shipped_config(), host_root)
+        report = run_check(config, tmp_path)
+
+        explained = set()
+        if kernel_clock_unsynchronised():
+            explained.add(("time.sync", "ClockUnsynced"))
+        if not hccl_ports_reserved():
+            explained.add(("network.ports", "PortsNotReserved"))
+        findings = report["findings"]
+        assert len(findings) >= 15
+        for finding in findings:
+            what = f"{finding['check']} {finding['subject']}: {finding['reason']}: {finding['message']}"
+            assert finding["status"] in ("ok", "skip", "warn"), what
+            if finding["status"] == "warn":
+                assert (finding["check"], finding["reason"]) in explained, what
+            assert "cluster.local" not in finding["subject"], what
+        assert report["ready"] is True, report["reasons"]
+
+        # The same set-up catches the old shipped config: a cluster.local name on the node's resolver fails.
+        config["network"]["dns"]["names"] = ["kubernetes.default.svc.cluster.local"]
+        old = run_check(config, tmp_path)
+        failed = [f for f in old["findings"] if f["check"] == "network.dns" and f["status"] == "fail"]
+        assert [(f["subject"], f["reason"]) for f in failed] == [("kubernetes.default.svc.cluster.local", "DnsFailed")]
+        assert "NXDOMAIN" in failed[0]["message"]
+        assert old["ready"] is False
+    finally:
+        dns.close()
+
+
+# --- taint safety: tolerations for the device plugins, the autoscaler's status taints ----------------------------
+
+ASCEND_DEVICE_PLUGIN = {
+    "apiVersion": "apps/v1",
+    "kind": "DaemonSet",
+    "metadata": {"name": "ascend-device-plugin-daemonset", "namespace": "kube-system"},
+    "spec": {
+        "selector": {"matchLabels": {"name": "ascend-device-plugin-ds"}},
+        "template": {
+            "metadata": {"labels": {"name": "ascend-device-plugin-ds"}},
+            "spec": {
+                "tolerations": [
+                    {"key": "CriticalAddonsOnly", "operator": "Exists"},
+                    {"key": "huawei.com/Ascend910", "operator": "Exists", "effect": "NoSchedule"},
+                ],
+                "nodeSelector": {"accelerator": "huawei-Ascend910"},
+                "containers": [{"name": "device-plugin-01", "image": "ascend-k8sdeviceplugin:v6.0.0"}],
+            },
+        },
+    },
+}
+
+
+def device_plugin(name: str, tolerations: list[dict[str, str]] | None) -> dict[str, Any]:
+    daemonset = copy.deepcopy(ASCEND_DEVICE_PLUGIN)
+    daemonset["metadata"]["name"] = name
+    spec = daemonset["spec"]["template"]["spec"]
+    if tolerations is None:
+        del spec["tolerations"]
+    else:
+        spec["tolerations"] = tolerations
+    return daemonset
+
+
+def tolerates(toleration: dict[str, str], taint: dict[str, str]) -> bool:
+    """The Kubernetes rule (k8s.io/api/core/v1 Toleration.ToleratesTaint)."""
+    if toleration.get("effect") and toleration["effect"] != taint["effect"]:
+        return False
+    if toleration.get("key") and toleration["key"] != taint["key"]:
+        return False
+    if toleration.get("operator", "Equal") == "Exists":
+        return True
+    return bool(toleration.get("key")) and toleration.get("value", "") == taint.get("value", "")
+
+
+def test_tolerations_example_names_every_category_once() -> None:
+    operations = yaml.safe_load((TOLERATIONS_EXAMPLE / "tolerations.yaml").read_text())
+    values = [op["value"] for op in operations]
+    assert all(op["op"] == "add" and op["path"] == "/spec/template/spec/tolerations/-" for op in operations)
+    assert sorted(v["key"] for v in values) == sorted(TAINT_KEYS)
+    assert all(v == {"key": v["key"], "operator": "Exists"} for v in values)
+
+
+def test_tolerations_example_adds_to_device_plugin_daemonsets(tmp_path: Path) -> None:
+    sources = tmp_path / "device-plugins"
+    sources.mkdir()
+    nvidia = device_plugin("nvidia-device-plugin-daemonset", [{"key": "nvidia.com/gpu", "operator": "Exists"}])
+    exporter = device_plugin("npu-exporter", [])
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "volcano-scheduler", "namespace": "kube-system"},
+        "spec": copy.deepcopy(ASCEND_DEVICE_PLUGIN["spec"]),
+    }
+    for name, doc in (("ascend", ASCEND_DEVICE_PLUGIN), ("nvidia", nvidia), ("exporter", exporter), ("d", deployment)):
+        (sources / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+    directory = overlay(sources, ["ascend.yaml", "nvidia.yaml", "exporter.yaml", "d.yaml"], (TOLERATIONS_EXAMPLE,))
+    docs = {doc["metadata"]["name"]: doc for doc in rendered(directory)}
+
+    for original in (ASCEND_DEVICE_PLUGIN, nvidia, exporter):
+        out = docs[original["metadata"]["name"]]
+        for version in VERSIONS:
+            kubernetes_validate.validate(out, version, strict=True)
+        before = original["spec"]["template"]["spec"]["tolerations"]
+        after = out["spec"]["template"]["spec"]["tolerations"]
+        assert after[: len(before)] == before, "the DaemonSet's own tolerations stay"
+        assert {t["key"] for t in after[len(before) :]} == TAINT_KEYS
+        for key in TAINT_KEYS:
+            for effect in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+                taint = {"key": key, "value": "NpuHealthCritical", "effect": effect}
+                assert any(tolerates(t, taint) for t in after), taint
+    assert docs["volcano-scheduler"]["spec"] == deployment["spec"], "only DaemonSets are patched"
+    # Not tolerated by the DaemonSet's own list: what the DaemonSet controller would do without the example.
+    taint = {"key": "node-health/npu", "value": "NpuHealthCritical", "effect": "NoSchedule"}
+    assert not any(tolerates(t, taint) for t in ASCEND_DEVICE_PLUGIN["spec"]["template"]["spec"]["tolerations"])
+
+
+def test_tolerations_example_stops_loudly_on_a_daemonset_without_tolerations(tmp_path: Path) -> None:
+    sources = tmp_path / "bare"
+    sources.mkdir()
+    (sources / "bare.yaml").write_text(yaml.safe_dump(device_plugin("dcgm-exporter", None)))
+    result = kustomize(overlay(sources, ["bare.yaml"], (TOLERATIONS_EXAMPLE,)))
+    assert result.returncode != 0
+    assert "add operation does not apply" in result.stderr
+
+
+def test_deployment_docs_list_every_taint_for_tolerations_and_the_autoscaler() -> None:
+    text = DEPLOYMENT_DOC.read_text()
+    for key in sorted(TAINT_KEYS):
+        assert f"--status-taint={key}" in text, key
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    toleration_lists = [b["tolerations"] for b in blocks if isinstance(b, dict) and "tolerations" in b]
+    assert toleration_lists, "docs/deployment.md lost its tolerations block"
+    documented = toleration_lists[0]
+    assert sorted(t["key"] for t in documented) == sorted(TAINT_KEYS)
+    assert documented == [op["value"] for op in yaml.safe_load((TOLERATIONS_EXAMPLE / "tolerations.yaml").read_text())]
+    for component in ("Ascend device plugin", "npu-exporter", "NodeD", "dcgm-exporter", "NVIDIA device plugin"):
+        assert component in text, component
+    assert "deploy/examples/device-plugin-tolerations" in text
+    assert "deploy/components/no-admission-policy" in text
+
+
+def test_deployment_docs_table_of_taints_and_conditions_is_the_category_table() -> None:
+    rows = re.findall(r"^\| `(node-health/\w+)` \| `(\w+)` \|$", DEPLOYMENT_DOC.read_text(), re.M)
+    assert rows == [(f"node-health/{name}", category.condition_type) for name, category in CATEGORIES.items()]
+
+
+def test_deployment_docs_kustomizations_render(tmp_path: Path) -> None:
+    """The page's overlays, used as written from a directory beside a node-health checkout."""
+    (tmp_path / "node-health").symlink_to(REPO, target_is_directory=True)
+    blocks = [
+        b for b in re.findall(r"```yaml\n(.*?)```", DEPLOYMENT_DOC.read_text(), re.S) if "kind: Kustomization" in b
+    ]
+    assert len(blocks) == 2
+    older, plugins = (yaml.safe_load(block) for block in blocks)
+    (tmp_path / "overlay").mkdir()
+    (tmp_path / "overlay" / "kustomization.yaml").write_text(blocks[0])
+    docs = rendered(tmp_path / "overlay")
+    assert older["components"] == ["../node-health/deploy/components/no-admission-policy"]
+    assert "ValidatingAdmissionPolicy" not in {doc["kind"] for doc in docs}
+    assert ("DaemonSet", "node-health") in kinds(docs)
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "kustomization.yaml").write_text(blocks[1])
+    for name in plugins["resources"]:
+        (tmp_path / "plugins" / name).write_text(yaml.safe_dump(device_plugin(Path(name).stem, [])))
+    for doc in rendered(tmp_path / "plugins"):
+        assert {t["key"] for t in doc["spec"]["template"]["spec"]["tolerations"]} == TAINT_KEYS

@@ -3,11 +3,14 @@
 
     python deploy/prometheus/render.py                      # rewrite prometheusrule.yaml beside this script
     python deploy/prometheus/render.py --check              # exit 1 when prometheusrule.yaml is out of date
-    python deploy/prometheus/render.py --runbook-base URL   # print both files with absolute runbook_url values
+    python deploy/prometheus/render.py --runbook-base URL   # print the PrometheusRule with absolute runbook links
+    python deploy/prometheus/render.py --runbook-base URL --rules-file   # the plain rules file, absolute links
 
-node-health-rules.yaml is the one file edited by hand; the PrometheusRule carries exactly its groups.
-`--runbook-base https://git.example.com/you/node-health/blob/main/` turns the relative
-`README.md#...` runbook links into links to your copy of the repository.
+node-health-rules.yaml is the one file edited by hand; the PrometheusRule carries exactly its groups. Their
+runbook_url values are paths relative to the repository root (docs/troubleshooting.md#<reason>,
+docs/observability.md#<alert>); `--runbook-base https://git.example.com/you/node-health/blob/main/` prefixes them,
+so that Alertmanager and Grafana show links into your copy of the repository:
+`python deploy/prometheus/render.py --runbook-base URL | kubectl apply -n monitoring -f -`.
 """
 
 from __future__ import annotations
@@ -81,14 +84,20 @@ def render(groups: list[dict[str, Any]]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 when prometheusrule.yaml is out of date")
-    parser.add_argument("--runbook-base", metavar="URL", help="print both files with absolute runbook links")
+    parser.add_argument("--runbook-base", metavar="URL", help="print the rules with absolute runbook links")
+    parser.add_argument(
+        "--rules-file", action="store_true", help="with --runbook-base: print the plain rules file instead"
+    )
     args = parser.parse_args(argv)
+    if args.rules_file and not args.runbook_base:
+        parser.error("--rules-file needs --runbook-base")
     groups = load_groups()
     if args.runbook_base:
         groups = absolute_runbooks(groups, args.runbook_base)
-        sys.stdout.write("# node-health-rules.yaml\n---\n")
-        sys.stdout.write(yaml.dump({"groups": groups}, Dumper=_Dumper, sort_keys=False, width=120))
-        sys.stdout.write("---\n" + render(groups))
+        if args.rules_file:
+            sys.stdout.write(yaml.dump({"groups": groups}, Dumper=_Dumper, sort_keys=False, width=120))
+        else:
+            sys.stdout.write(render(groups))
         return 0
     text = render(groups)
     if args.check:
