@@ -1,0 +1,498 @@
+"""The container image: built from the Dockerfile with podman (runc, cgroupfs) on a debian:bookworm-slim made
+here with debootstrap when it cannot be pulled, then run as the DaemonSet runs it — privileged, in the host's PID
+namespace, the host's / read-only at /host, a read-only root filesystem — where `node-health check` names a
+process this test started outside the container holding a mknod'ed device node. Also: the image's tools, size
+and contents, `/ready` from the image answering deploy/examples/preflight.sh, and the runtime dependencies
+resolving as binary wheels for aarch64 (Kunpeng hosts).
+
+Cached between runs under $NODE_HEALTH_CI_CACHE (default /var/cache/node-health-ci): the base rootfs tarball,
+and the built image (`podman save`), keyed by a hash of the whole build context; podman's layer cache reuses the
+dependency layers while the Dockerfile and pyproject.toml stay the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from support.system import REPO, require, require_root, require_tool
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
+
+CACHE = Path(os.environ.get("NODE_HEALTH_CI_CACHE", "/var/cache/node-health-ci"))
+BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
+DEBIAN_MIRROR = os.environ.get("NODE_HEALTH_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+SECURITY_MIRROR = os.environ.get("NODE_HEALTH_DEBIAN_SECURITY_MIRROR", "http://deb.debian.org/debian-security")
+IMAGE_REPOSITORY = "localhost/node-health"
+# What the build context holds (.dockerignore lets in exactly these) plus the Dockerfile itself.
+CONTEXT = ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "agent", "probes")
+SIZE_TARGET_BYTES = 200_000_000  # as `podman images` counts MB
+IMAGE_DOC = REPO / "docs" / "image.md"
+PREFLIGHT = REPO / "deploy" / "examples" / "preflight.sh"
+FULL = (1, 7)  # /dev/full's device number: a real character device that opens anywhere
+
+
+# --- podman ----------------------------------------------------------------------------------------------------
+
+
+def podman(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """podman with runc and cgroupfs: they work on cgroup v1 (hybrid) hosts such as CI's as well as on v2."""
+    argv = [require_tool("podman"), "--runtime", "runc", "--cgroup-manager", "cgroupfs", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert done.returncode == 0, f"{' '.join(argv)}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done
+
+
+def ulimits() -> list[str]:
+    """podman's default limits exceed this host's hard limits, which runc may not raise: stay at or below them."""
+    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 20)
+    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 4096)
+    return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
+
+
+def image_exists(reference: str) -> bool:
+    return podman("image", "exists", reference, check=False).returncode == 0
+
+
+# --- the base image: pulled, or made here with debootstrap like the official -slim ----------------------------
+
+DPKG_EXCLUDES = """\
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/groff/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/locale/*
+path-exclude /usr/share/lintian/*
+path-exclude /usr/share/linda/*
+path-exclude /var/cache/man/*
+"""
+APT_CONFIG = {
+    "docker-clean": (
+        'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb '
+        '/var/cache/apt/*.bin || true"; };\n'
+        'APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb '
+        '/var/cache/apt/*.bin || true"; };\n'
+        'Dir::Cache::pkgcache "";\nDir::Cache::srcpkgcache "";\n'
+    ),
+    "docker-no-languages": 'Acquire::Languages "none";\n',
+    "docker-gzip-indexes": 'Acquire::GzipIndexes "true";\n',
+    "docker-autoremove-suggests": 'APT::AutoRemove::SuggestsImportant "false";\n',
+}
+SOURCES = f"""\
+Types: deb
+URIs: {DEBIAN_MIRROR}
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: {SECURITY_MIRROR}
+Suites: bookworm-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+"""
+
+
+def slim(root: Path) -> None:
+    """What the official debian:*-slim images do to a minbase: no docs, man pages or locales (now or from later
+    installs), apt caches and lists cleaned, the release's updates and security suites in the sources."""
+    (root / "etc/dpkg/dpkg.cfg.d/docker").write_text(DPKG_EXCLUDES)
+    for name, text in APT_CONFIG.items():
+        (root / "etc/apt/apt.conf.d" / name).write_text(text)
+    (root / "etc/apt/sources.list").unlink(missing_ok=True)
+    (root / "etc/apt/sources.list.d/debian.sources").write_text(SOURCES)
+    for pattern in ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*", "var/log/*.log"):
+        for path in root.glob(pattern):
+            if path.is_file():
+                path.unlink()
+    for directory in ("usr/share/man", "usr/share/info", "usr/share/locale"):
+        for path in (root / directory).iterdir():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    for path in sorted((root / "usr/share/doc").rglob("*"), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            with contextlib.suppress(OSError):  # not empty: it keeps a copyright file
+                path.rmdir()
+        elif path.name != "copyright":
+            path.unlink()
+
+
+def unmount_below(root: Path) -> None:
+    """debootstrap mounts /proc and /sys in the target; a failed run may leave them: never delete through them."""
+    with open("/proc/self/mountinfo") as mountinfo:
+        targets = [line.split()[4] for line in mountinfo]
+    for target in sorted((t for t in targets if t.startswith(f"{root}/")), key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], capture_output=True, timeout=60)
+
+
+def make_base_tarball(tarball: Path) -> None:
+    debootstrap = require_tool("debootstrap")
+    with tempfile.TemporaryDirectory(dir=CACHE, prefix="rootfs-") as work:
+        root = Path(work) / "rootfs"
+        try:
+            done = subprocess.run(
+                [debootstrap, "--variant=minbase", "bookworm", str(root), DEBIAN_MIRROR],
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
+            assert done.returncode == 0, f"debootstrap failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        finally:
+            unmount_below(root)
+        slim(root)
+        partial = tarball.with_name(tarball.name + ".partial")
+        subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(partial), "."], check=True, timeout=600)
+        partial.replace(tarball)
+
+
+def ensure_base_image() -> None:
+    if image_exists(BASE_IMAGE):
+        return
+    tarball = CACHE / f"debian-bookworm-minbase-{platform.machine()}.tar"
+    if not tarball.exists():
+        if podman("pull", "--quiet", BASE_IMAGE, timeout=300, check=False).returncode == 0:
+            return
+        make_base_tarball(tarball)
+    podman("import", "--change", 'CMD ["bash"]', str(tarball), BASE_IMAGE)
+
+
+# --- the image -------------------------------------------------------------------------------------------------
+
+
+def context_files() -> list[Path]:
+    files: list[Path] = []
+    for name in CONTEXT:
+        path = REPO / name
+        if path.is_dir():
+            files.extend(
+                sorted(
+                    p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+                )
+            )
+        else:
+            files.append(path)
+    return files
+
+
+def context_key() -> str:
+    digest = hashlib.sha256()
+    for path in context_files():
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:24]
+
+
+def host_ca_bundle() -> Path | None:
+    """The CA bundle this machine's pip trusts (a TLS-intercepting proxy's CA included), for pip in the build."""
+    for candidate in (
+        os.environ.get("PIP_CERT"),
+        os.environ.get("SSL_CERT_FILE"),
+        os.environ.get("REQUESTS_CA_BUNDLE"),
+        "/etc/ssl/certs/ca-certificates.crt",
+    ):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def build_volumes(work: Path) -> list[str]:
+    """pip inside the build uses this machine's CA bundle and index (mounted for the RUN steps only, never part
+    of the image), so the Dockerfile stays the one a registry build uses."""
+    bundle = host_ca_bundle()
+    settings = ["[global]"]
+    volumes: list[str] = []
+    if bundle is not None:
+        settings.append("cert = /run/node-health-ci/ca.crt")
+        volumes += ["--volume", f"{bundle}:/run/node-health-ci/ca.crt:ro"]
+    if os.environ.get("PIP_INDEX_URL"):
+        settings.append(f"index-url = {os.environ['PIP_INDEX_URL']}")
+    (work / "pip.conf").write_text("\n".join(settings) + "\n")
+    return [*volumes, "--volume", f"{work / 'pip.conf'}:/etc/pip.conf:ro"]
+
+
+def build_image(tag: str) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        podman(
+            "build",
+            "--pull=never",
+            "--network=host",
+            *ulimits(),
+            *build_volumes(Path(work)),
+            "--tag",
+            tag,
+            "--file",
+            str(REPO / "Dockerfile"),
+            str(REPO),
+            timeout=1500,
+        )
+
+
+def forget_other_builds(tag: str, archive: Path) -> None:
+    for old in CACHE.glob("node-health-image-*.tar"):
+        if old != archive:
+            old.unlink()
+    listed = podman("images", "--format", "{{.Repository}}:{{.Tag}}", "--filter", f"reference={IMAGE_REPOSITORY}")
+    for reference in listed.stdout.split():
+        if reference.startswith(f"{IMAGE_REPOSITORY}:ci-") and reference != tag:
+            podman("rmi", reference, check=False)
+
+
+def ensure_image() -> str:
+    key = context_key()
+    tag = f"{IMAGE_REPOSITORY}:ci-{key}"
+    archive = CACHE / f"node-health-image-{key}.tar"
+    if not image_exists(tag):
+        if archive.exists():
+            podman("load", "--quiet", "--input", str(archive), timeout=600)
+        else:
+            build_image(tag)
+            partial = archive.with_name(archive.name + ".partial")
+            partial.unlink(missing_ok=True)
+            podman("save", "--quiet", "--output", str(partial), tag, timeout=600)
+            partial.replace(archive)
+    forget_other_builds(tag, archive)
+    return tag
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    require_root()
+    require_tool("podman")
+    require_tool("runc")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with (CACHE / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time on this machine
+        ensure_base_image()
+        return ensure_image()
+
+
+def in_image(image: str, entrypoint: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return podman("run", "--rm", *ulimits(), "--network=none", "--entrypoint", entrypoint, image, *args)
+
+
+# --- what is in the image --------------------------------------------------------------------------------------
+
+
+def test_dockerignore_lets_in_what_the_build_copies() -> None:
+    allowed = {line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line[:1] == "!"}
+    assert allowed == set(CONTEXT) - {"Dockerfile", ".dockerignore"}
+
+
+def test_tools_in_the_image_answer_their_version(image: str) -> None:
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert version is not None
+    assert podman("run", "--rm", *ulimits(), "--network=none", image, "--version").stdout == (
+        f"node-health {version.group(1)}\n"
+    )
+    assert in_image(image, "py-spy", "--version").stdout.startswith("py-spy 0.")
+    assert in_image(image, "nsenter", "--version").stdout.startswith("nsenter from util-linux ")
+
+
+def test_image_runs_debian_python_without_compilers_or_pip(image: str) -> None:
+    probe = (
+        "readlink -f /opt/node-health/bin/python; dpkg-query -W -f '${Package} ${Version}\\n' python3; "
+        "for tool in gcc cc c++ make pip pip3; do command -v $tool; done; "
+        "/opt/node-health/bin/python -c 'import pip' 2>/dev/null && echo importable-pip; true"
+    )
+    lines = in_image(image, "sh", "-c", probe).stdout.splitlines()
+    assert lines[0].startswith("/usr/bin/python3.")
+    assert lines[1].startswith("python3 3.")
+    assert lines[2:] == [], f"build tools in the final stage: {lines[2:]}"
+
+
+def test_image_size_is_within_the_target_and_documented(image: str) -> None:
+    size = int(podman("image", "inspect", "--format", "{{.Size}}", image).stdout)
+    assert size <= SIZE_TARGET_BYTES, f"{size / 1e6:.0f} MB"
+    documented = [
+        int(word)
+        for line in IMAGE_DOC.read_text().splitlines()
+        if line.startswith("Size: ")
+        for word in line.replace("MB", " MB").split()
+        if word.isdigit()
+    ]
+    assert documented, "docs/image.md has a line `Size: N MB ...`"
+    assert abs(documented[0] * 1e6 - size) <= 0.1 * size, (
+        f"docs/image.md says {documented[0]} MB, it is {size / 1e6:.0f}"
+    )
+
+
+# --- running as the DaemonSet runs it --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def holding(path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A process outside any container keeping `path` open until the block ends."""
+    code = "import os, sys, time; os.open(sys.argv[1], os.O_RDONLY); print('ready', flush=True); time.sleep(600)"
+    child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def daemonset_like(config: Path) -> list[str]:
+    """`podman run` options that give the container what deploy/daemonset.yaml gives the agent."""
+    return [
+        *ulimits(),
+        "--privileged",
+        "--pid=host",
+        "--read-only",
+        "--tmpfs=/tmp",
+        "--env=NODE_NAME=image-test",
+        "--volume=/:/host:ro,rslave",
+        f"--volume={config}:/etc/node-health/config.yaml:ro",
+    ]
+
+
+def test_check_in_the_image_names_a_holder_outside_the_container(image: str, tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.mknod(dev / "davinci0", stat.S_IFCHR | 0o600, os.makedev(*FULL))
+    # As the shipped config: npu-smi is the host's, run with nsenter; with a davinci node under host.dev the holder
+    # scan runs even where the host has no npu-smi.
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "host": {"root": "/host", "proc": "/proc", "dev": f"/host{dev}"},
+                "npu": {"smi_command": ["nsenter", "-t", "1", "-m", "--", "npu-smi"], "smi_timeout_seconds": 2},
+            }
+        )
+    )
+    with holding(dev / "davinci0") as holder:
+        done = podman(
+            "run",
+            "--rm",
+            *daemonset_like(config),
+            "--network=none",
+            image,
+            *("check", "--json", "--config", "/etc/node-health/config.yaml", "--only", "npu.holders"),
+            check=False,
+        )
+    assert done.returncode == 1, done.stderr
+    document = json.loads(done.stdout)
+    assert document["node"] == "image-test" and document["ready"] is False
+    findings = {(f["check"], f["subject"]): f for f in document["findings"]}
+    held = findings[("npu.holders", "npu0")]
+    assert (held["status"], held["reason"]) == ("fail", "NpuHeldOutOfBand"), held
+    ours = [h for h in held["observed"]["holders"] if h["pid"] == holder.pid]
+    assert ours, f"PID {holder.pid} not among {held['observed']['holders']}"
+    assert "davinci0" in json.dumps(ours[0]) and ours[0]["kind"] != "pod", ours[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def image_probe_names(image: str) -> list[str]:
+    defaults = yaml.safe_load(podman("run", "--rm", *ulimits(), "--network=none", image, "config", "--defaults").stdout)
+    return list(defaults["probes"])
+
+
+def test_agent_in_the_image_answers_the_preflight_and_stops_on_sigterm(image: str, tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "http": {"address": "127.0.0.1", "port": port},
+                "host": {"root": "/host"},
+                "probes": {name: {"enabled": name == "storage.space"} for name in image_probe_names(image)},
+                "storage": {"space": [{"path": "/"}]},
+            }
+        )
+    )
+    # Host networking here only so that the test reaches the port; the DaemonSet uses the pod's network.
+    name = f"node-health-test-{os.getpid()}"
+    agent_argv = ("run", "--no-kube", "--config", "/etc/node-health/config.yaml")
+    podman("run", "--detach", "--name", name, *daemonset_like(config), "--network=host", image, *agent_argv)
+    try:
+        outcome = wait_for_preflight(port)
+        assert outcome.returncode == 0, (outcome.stdout, outcome.stderr, podman("logs", name, check=False).stderr)
+        assert outcome.stdout.splitlines()[1] == "ready on image-test"
+        started = time.monotonic()
+        podman("stop", "--time", "10", name)
+        assert time.monotonic() - started < 10, "the agent (PID 1 in its container) did not stop on SIGTERM"
+        state = json.loads(podman("inspect", "--format", "{{json .State}}", name).stdout)
+        assert state["ExitCode"] == 0, state
+    finally:
+        podman("rm", "--force", name, check=False)
+
+
+def wait_for_preflight(port: int) -> subprocess.CompletedProcess[str]:
+    """The pre-flight until the agent's first verdict is in (it answers 503 WarmingUp until then)."""
+    env = {"PATH": os.environ["PATH"], "NODE_HEALTH_URL": f"http://127.0.0.1:{port}"}
+    deadline = time.monotonic() + 60
+    while True:
+        outcome = subprocess.run(
+            [require_tool("dash"), str(PREFLIGHT)], env=env, capture_output=True, text=True, timeout=60
+        )
+        if outcome.returncode == 0 or time.monotonic() > deadline:
+            return outcome
+        time.sleep(0.5)
+
+
+# --- aarch64 ---------------------------------------------------------------------------------------------------
+
+
+def runtime_requirements() -> list[str]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the installed metadata says the same
+        import importlib.metadata
+
+        return [r for r in importlib.metadata.requires("node-health") or [] if "extra ==" not in r]
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
+
+
+def test_runtime_dependencies_resolve_as_aarch64_wheels(tmp_path: Path) -> None:
+    requirements = runtime_requirements()
+    # Debian bookworm's python3 is 3.11; manylinux2014 (glibc 2.17) wheels run on any Kunpeng distribution.
+    target = ["--platform", "manylinux2014_aarch64", "--python-version", "3.11", "--implementation", "cp"]
+    download = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"]
+    done = subprocess.run(
+        [*download, "--dest", str(tmp_path), "--only-binary=:all:", *target, *requirements],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    offline = ("Failed to establish a new connection", "Temporary failure in name resolution", "Network is unreachable")
+    require(not any(text in done.stderr for text in offline), "the package index (network)")
+    assert done.returncode == 0, done.stderr[-4000:]
+    wheels = [p.name for p in tmp_path.glob("*.whl")]
+    downloaded = {project_name(name.split("-")[0]) for name in wheels}
+    for requirement in requirements:
+        match = re.match(r"[A-Za-z0-9._-]+", requirement)
+        assert match is not None, requirement
+        assert project_name(match.group(0)) in downloaded, (requirement, wheels)
+    platform_wheels = [name for name in wheels if not name.endswith("-any.whl")]
+    assert platform_wheels and all("aarch64" in name for name in platform_wheels), platform_wheels
+    assert any(name.startswith("py_spy-") for name in platform_wheels), "py-spy is a native binary"
+
+
+def project_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
