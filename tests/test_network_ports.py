@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -70,7 +71,7 @@ def holder() -> Iterator[Holder]:
 
 
 def run_ports(ports: dict, host: Host) -> tuple[dict[str, Finding], list[Sample]]:
-    config = parse_config({"network": {"ports": ports}})
+    config = parse_config({"network": {"ports": {"only_with_npus": False, **ports}}})
     out = PortsProbe().run(ProbeContext(host, config, 8))
     return {f.subject: f for f in out if isinstance(f, Finding)}, [s for s in out if isinstance(s, Sample)]
 
@@ -85,7 +86,12 @@ def test_process_holding_ports_outside_kubernetes(holder: Holder) -> None:
     mine = [h for h in finding.observed["holders"] if h["pid"] == holder.proc.pid]
     assert {(h["port"], h["protocol"]) for h in mine} == {(holder.port, "tcp"), (holder.port, "udp6")}
     assert all(h["in_pod"] is False for h in mine)
-    assert f"pid {holder.proc.pid}" in finding.message and "outside Kubernetes" in finding.message
+    assert f"PID {holder.proc.pid} (python" in finding.message and "outside Kubernetes" in finding.message
+    # The hint carries the real PID and the command that stops a bare process.
+    assert "kill " in finding.hint and str(holder.proc.pid) in finding.hint.split("kill ", 1)[1].split(";")[0]
+    assert "PID" not in finding.hint.replace(str(holder.proc.pid), "")
+    # Command lines are another tenant's: only the executable is named unless redact_cmdlines is false.
+    assert "-c" not in finding.message and all("command" not in h for h in mine)
     assert finding.observed["in_pod"] is False
     in_use = next(s for s in samples if s.name == "nodehealth_network_hccl_ports_in_use")
     assert in_use.value >= 1
@@ -116,11 +122,35 @@ def test_holder_in_a_pod_is_a_warning(holder: Holder, tmp_path: Path) -> None:
     finding = findings[f"{base}-{base + 15}"]
     ours = [h for h in finding.observed["holders"] if h["pid"] == holder.proc.pid]
     assert ours and all(h["in_pod"] for h in ours)
-    assert POD_UID in ours[0]["owner"]
+    assert POD_UID in ours[0]["owner"] and ours[0]["kind"] == "pod"
     if finding.observed["in_pod"]:  # only our holder uses the range (nothing else on this host does)
         assert (finding.status, finding.reason) == (Status.WARN, "PortRangeOccupied")
-        assert "in use by pods" in finding.message
+        assert "in use by 1 pod(s)" in finding.message and f"pod {POD_UID}" in finding.message
+        assert f"PID {holder.proc.pid}" in finding.message
     assert "net.ipv4.ip_local_reserved_ports" not in findings
+
+
+def test_the_range_does_not_apply_on_a_node_without_npus(tmp_path: Path) -> None:
+    """HCCL is Ascend's collective library: a GPU node (no /dev/davinciN) skips the check by default."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    config = parse_config({})
+    probe = PortsProbe()
+    reason = probe.applicable(ProbeContext(Host(dev=dev), config, 8))
+    assert reason is not None and "no Ascend NPU" in reason
+    (dev / "davinci0").touch()  # a regular file is no device node: still not an NPU node
+    assert probe.applicable(ProbeContext(Host(dev=dev), config, 8)) is not None
+    forced = parse_config({"network": {"ports": {"only_with_npus": False}}})
+    assert probe.applicable(ProbeContext(Host(dev=dev), forced, 8)) is None
+
+
+@pytest.mark.system
+def test_a_node_with_an_npu_device_node_checks_the_range(tmp_path: Path) -> None:
+    require_root()
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.mknod(dev / "davinci0", 0o600 | stat.S_IFCHR, os.makedev(1, 7))
+    assert PortsProbe().applicable(ProbeContext(Host(dev=dev), parse_config({}), 8)) is None
 
 
 def test_free_range_is_ok(tmp_path: Path) -> None:

@@ -85,6 +85,9 @@ class PortsConfig(Section):
     count: int = Field(16, ge=1, le=65535)
     # Warn (PortsNotReserved) when net.ipv4.ip_local_reserved_ports does not cover the range.
     check_reserved: bool = True
+    # HCCL is Ascend's collective library: on a node without /dev/davinciN (a GPU node) the check does not
+    # apply. false checks the range on every node.
+    only_with_npus: bool = True
 
     @model_validator(mode="after")
     def _fits(self) -> PortsConfig:

@@ -1,7 +1,10 @@
 """network.ports: is the HCCL port range free, and reserved from the ephemeral range.
 
 Sockets come from /proc/1/net/{tcp,tcp6,udp,udp6} (the host's namespace, with hostPID); their holders from
-one scan of /proc/*/fd in a child with a deadline, each pid classified by its cgroup (in a pod or not).
+one scan of /proc/*/fd with a deadline, classified by the shared holders module (the pod, a container outside
+Kubernetes, a service, a bare process) with the stop command that fits. Ports held by pods are a warn naming
+the pods; ports held outside Kubernetes fail, the hint naming the real PIDs. HCCL is Ascend's: on a node
+without /dev/davinciN the check does not apply unless network.ports.only_with_npus is false.
 net.ipv4.ip_local_reserved_ports is read by a child inside the host's network namespace, because network
 sysctls belong to the namespace of the reader.
 """
@@ -10,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from probes.base import (
@@ -35,6 +37,17 @@ from probes.network.proc_net import (
     ports_outside,
     sockets_in_range,
 )
+from probes.runtime.holders import (
+    Holder,
+    PodNames,
+    Sighting,
+    collect_holders,
+    device_nodes,
+    list_processes,
+    pods_of,
+    stop_hint,
+)
+from probes.runtime.procfs import ScanError, scan_open_files
 
 PORTS = Check("network.ports")
 RESERVED_SUBJECT = "net.ipv4.ip_local_reserved_ports"
@@ -42,9 +55,10 @@ RESERVED_SUBJECT = "net.ipv4.ip_local_reserved_ports"
 PORT_RANGE_OCCUPIED = Reason(
     "PortRangeOccupied",
     Status.FAIL,
-    "sockets use ports of the HCCL range; observed.holders names port, protocol, pid, command, owner and in_pod. "
-    "Fail when any holder is outside Kubernetes or unknown, warn when all are in pods",
-    "stop the leftover process of an earlier job (kill PID), or move HCCL_IF_BASE_PORT and network.ports.base together",
+    "sockets use ports of the HCCL range; the message names each holder (PID, executable, pod or container). "
+    "Fail when any holder is outside Kubernetes or not found, warn when all are in pods",
+    "stop the leftover holder with the command the hint names (kill PID, docker/nerdctl stop ID, crictl stopp), "
+    "or move HCCL_IF_BASE_PORT and network.ports.base together",
     also=(Status.WARN,),
 )
 PORTS_NOT_RESERVED = Reason(
@@ -69,102 +83,93 @@ SYSCTL_UNREADABLE = Reason(
 )
 
 PROTOCOLS = ("tcp", "tcp6", "udp", "udp6")
+NPU_NODES = ("davinci[0-9]*",)
 
 
-@dataclass(frozen=True)
-class PortHolder:
-    pid: int
-    command: str
-    owner: str  # CgroupOwner.describe()
-    in_pod: bool
-
-
-def port_holders(ctx: ProbeContext, inodes: set[int]) -> tuple[dict[int, list[PortHolder]], str]:
-    """Socket inode → the processes holding it, and the scan error if the scan failed.
-
-    The one place that knows how holders are found: a shared device/port holders module replaces it."""
+def port_holders(ctx: ProbeContext, occupied: Sequence[SocketEntry]) -> tuple[dict[int, list[Holder]], str]:
+    """Socket inode → the processes holding it (classified by the shared holders module), and the scan error
+    when the /proc/*/fd scan failed."""
+    inodes = {entry.inode for entry in occupied}
     if not inodes:
         return {}, ""
-    from probes.runtime import procfs
-
     try:
-        scan = procfs.scan_open_files(ctx.host, sockets=inodes, timeout=max(0.1, ctx.remaining() - 0.2))
-    except procfs.ScanError as exc:
+        scan = scan_open_files(ctx.host, sockets=inodes, timeout=max(0.1, ctx.remaining() - 0.2))
+    except ScanError as exc:
         return {}, str(exc)
-    holders: dict[int, list[PortHolder]] = {}
-    seen: set[tuple[int, int]] = set()
-    for match in scan.matches:
-        inode = match.key[1]
-        if (inode, match.pid) in seen:
-            continue
-        seen.add((inode, match.pid))
-        info = procfs.process_info(ctx.host.proc, match.pid)
-        if info is None:
-            continue
-        holders.setdefault(inode, []).append(
-            PortHolder(match.pid, info.command, info.cgroup.describe(), info.cgroup.in_pod)
-        )
-    return holders, ""
+    sightings = [Sighting(m.pid, str(m.key[1]), "socket", m.start_time) for m in scan.matches]
+    holders, _ = collect_holders(ctx.host.proc, sightings, PodNames(ctx.host.root))
+    by_inode: dict[int, list[Holder]] = {}
+    for holder in holders:
+        for inode in holder.things:
+            by_inode.setdefault(int(inode), []).append(holder)
+    return by_inode, ""
 
 
-def _describe_holders(
-    occupied: Sequence[SocketEntry], holders: dict[int, list[PortHolder]]
-) -> tuple[list[str], list[dict[str, Any]], bool]:
-    """(one line per socket holder, observed holders, whether every holder is in a pod)."""
-    described: list[str] = []
-    observed_holders: list[dict[str, Any]] = []
-    all_in_pods = True
+def _holder_lines(
+    occupied: Sequence[SocketEntry], holders: dict[int, list[Holder]], redact: bool
+) -> tuple[list[Holder], list[Holder], list[str], list[dict[str, Any]]]:
+    """(holders in pods, holders outside Kubernetes, sockets with no holder found, observed holders)."""
+    in_pods: dict[tuple[int, int], Holder] = {}
+    outside: dict[tuple[int, int], Holder] = {}
+    orphans: list[str] = []
+    observed: list[dict[str, Any]] = []
     for entry in occupied:
         owners = holders.get(entry.inode, [])
         if not owners:
-            all_in_pods = False
-            described.append(f"{entry.local_port}/{entry.protocol} (owner unknown)")
+            orphans.append(f"{entry.local_port}/{entry.protocol}")
         for holder in owners:
-            all_in_pods = all_in_pods and holder.in_pod
-            described.append(
-                f"{entry.local_port}/{entry.protocol} pid {holder.pid} ({holder.command[:40]}, {holder.owner})"
+            (in_pods if holder.in_pod else outside)[holder.key] = holder
+            observed.append(
+                {"port": entry.local_port, "protocol": entry.protocol, "state": entry.state.lower()}
+                | holder.to_dict(redact)
+                | {"in_pod": holder.in_pod}
             )
-            observed_holders.append(
-                {
-                    "port": entry.local_port,
-                    "protocol": entry.protocol,
-                    "state": entry.state.lower(),
-                    "pid": holder.pid,
-                    "command": holder.command[:120],
-                    "owner": holder.owner,
-                    "in_pod": holder.in_pod,
-                }
-            )
-    return list(dict.fromkeys(described)), observed_holders, all_in_pods
+    return list(in_pods.values()), list(outside.values()), list(dict.fromkeys(orphans)), observed
+
+
+def _ports_of(holder: Holder, occupied: Sequence[SocketEntry]) -> str:
+    inodes = {int(thing) for thing in holder.things}
+    return compress_ports(e.local_port for e in occupied if e.inode in inodes)
 
 
 def ports_finding(
-    subject: str, occupied: Sequence[SocketEntry], holders: dict[int, list[PortHolder]], scan_error: str
+    ctx: ProbeContext, subject: str, occupied: Sequence[SocketEntry], holders: dict[int, list[Holder]], scan_error: str
 ) -> Finding:
     if not occupied:
         return PORTS.ok(subject, f"no socket uses ports {subject}")
+    redact = ctx.redact_cmdlines
     ports = sorted({e.local_port for e in occupied})
-    described, observed_holders, all_in_pods = _describe_holders(occupied, holders)
+    in_pods, outside, orphans, observed_holders = _holder_lines(occupied, holders, redact)
     observed: dict[str, Any] = {
         "ports": ports,
         "pids": sorted({h["pid"] for h in observed_holders}),
         "holders": observed_holders[:20],
-        "in_pod": all_in_pods,
+        "in_pod": not outside and not orphans,
     }
     if scan_error:
         observed["scan_error"] = scan_error
-    shown = "; ".join(described[:4]) + (f"; and {len(described) - 4} more" if len(described) > 4 else "")
-    if all_in_pods:
-        message = f"HCCL ports {compress_ports(ports)} in use by pods: {shown}"
+    pods = pods_of(in_pods)
+    pod_text = "; ".join(
+        f"{members[0].where()}: ports {_ports_of(members[0], occupied)} by {list_processes(members, redact)}"
+        for members in pods.values()
+    )
+    if not outside and not orphans:
+        message = f"HCCL ports {compress_ports(ports)} in use by {len(pods)} pod(s): {pod_text}"
         hint = (
             "a running job holds them (expected while it runs); a second job on this node must use another "
-            "HCCL_IF_BASE_PORT / HCCL_HOST_SOCKET_PORT_RANGE"
+            "HCCL_IF_BASE_PORT / HCCL_HOST_SOCKET_PORT_RANGE, or wait for that pod to finish"
         )
         return PORTS.report(PORT_RANGE_OCCUPIED, subject, message, observed, hint=hint, status=Status.WARN)
-    message = f"HCCL ports {compress_ports(ports)} held outside Kubernetes: {shown}"
+    parts = [f"ports {_ports_of(holder, occupied)} by {holder.phrase(redact)}" for holder in outside[:4]] + [
+        f"{port} (holder not found{': ' + scan_error if scan_error else ''})" for port in orphans[:4]
+    ]
+    message = f"HCCL ports {compress_ports(ports)} held outside Kubernetes: {'; '.join(parts)}"
+    if pod_text:
+        message += f"; also in use by pods: {pod_text}"
+    stop = stop_hint(outside) if outside else "find the holder (ss -tulpn | grep PORT) and stop it"
     hint = (
-        "HCCL will fail to bind: stop the leftover process (kill PID) from an earlier job, or move the range "
-        "(HCCL_IF_BASE_PORT) and network.ports.base together"
+        f"HCCL will fail to bind: stop the leftover holder ({stop}), or move HCCL_IF_BASE_PORT and "
+        "network.ports.base together"
     )
     return PORTS.report(PORT_RANGE_OCCUPIED, subject, message, observed, hint=hint)
 
@@ -203,6 +208,11 @@ class PortsProbe(Probe):
     default_timeout = 10.0
     needs = "/proc/1/net/{tcp,tcp6,udp,udp6} and /proc/*/fd of the host (hostPID)"
 
+    def applicable(self, ctx: ProbeContext) -> str | None:
+        if ctx.settings(NetworkConfig).ports.only_with_npus and not device_nodes(ctx.host.dev, NPU_NODES):
+            return "no Ascend NPU on this host (/dev/davinciN): the HCCL port range does not apply"
+        return None
+
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(NetworkConfig).ports
         first, last = settings.base, settings.base + settings.count - 1
@@ -219,8 +229,8 @@ class PortsProbe(Probe):
                 return [PORTS.report(PROC_NET_UNREADABLE, subject, message, {"path": str(path)})]
             entries.extend(parse_proc_net_sockets(text, protocol))
         occupied = sockets_in_range(entries, first, last)
-        holders, scan_error = port_holders(ctx, {e.inode for e in occupied})
-        out: ProbeOutput = [ports_finding(subject, occupied, holders, scan_error)]
+        holders, scan_error = port_holders(ctx, occupied)
+        out: ProbeOutput = [ports_finding(ctx, subject, occupied, holders, scan_error)]
         out.append(
             Sample(
                 "nodehealth_network_hccl_ports_in_use",
