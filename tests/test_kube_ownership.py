@@ -85,7 +85,7 @@ def test_foreign_state_survives_every_operation(
     }
     clock = Clock()
     state = health_state(name, clock, PROBES)
-    agent = make_agent(double, state, clock, max_unhealthy="100%", warn_effect="PreferNoSchedule")
+    agent = make_agent(double, state, clock, max_unhealthy="1000", warn_effect="PreferNoSchedule")
     try:
         for item in steps:
             clock.advance(30)
@@ -100,8 +100,8 @@ def test_foreign_state_survives_every_operation(
                 double.before_write = None
             assert agent.status()["errors"].keys() <= {"conflict"}
             node = double.node(name)
-            mine = {k: v for k, v in labels(node).items() if k != "node-health/ready"}
-            assert mine == expected["labels"]
+            foreign_labels = {k: v for k, v in labels(node).items() if not k.startswith("node-health/")}
+            assert foreign_labels == expected["labels"]
             assert foreign_taints(node) == expected["taints"]
             assert {t: c for t, c in conditions(node).items() if t not in OURS} == expected["conditions"]
             wanted = {}
@@ -112,6 +112,8 @@ def test_foreign_state_survives_every_operation(
             if item["npu"] == "fail":
                 wanted["npu"] = ("Broken", "NoSchedule")
             assert our_taints(node) == wanted
+            blocking = any(effect == "NoSchedule" for _, effect in wanted.values())
+            assert labels(node).get("node-health/tainted") == ("true" if blocking else None)
             assert labels(node)["node-health/ready"] == (
                 "false" if "fail" in (item["storage"], item["npu"]) else "true"
             )
@@ -162,7 +164,7 @@ def test_concurrent_foreign_writer_causes_conflicts_that_lose_nothing(double: Ap
     double.add_node(name)
     clock = Clock()
     state = health_state(name, clock, PROBES)
-    agent = make_agent(double, state, clock, max_unhealthy="100%", conflict_retries=50)
+    agent = make_agent(double, state, clock, max_unhealthy="1000", conflict_retries=50)
     stop = threading.Event()
     written: list[int] = []
 

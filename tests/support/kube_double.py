@@ -14,7 +14,11 @@ way kube-apiserver does them:
 - faults: 409, 429 (with Retry-After), 500, 403, slow answers, reset connections, and a whole outage
   (listener closed, live connections cut: the client sees connection refused).
 
-Every write is recorded (`double.writes`) so tests can count the API writes an agent makes.
+Every write is recorded (`double.writes`) so tests can count the API writes an agent makes; every request,
+its query and the bytes of its answer too (`double.log`), so tests can check which verbs the agent uses and
+benchmarks can count what a fleet of agents costs the API server. `resourceVersion=0` on a list (served from
+the watch cache by a real API server) is accepted and answered like any list; a GET that asks for
+`as=PartialObjectMetadata` in its Accept header gets the object's metadata only, as from the API server.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import copy
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -35,284 +40,33 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import kubernetes.client
 
-STRATEGIC = "application/strategic-merge-patch+json"
-MERGE = "application/merge-patch+json"
-JSON_PATCH = "application/json-patch+json"
+from support.kube_semantics import (
+    JSON_PATCH,
+    KINDS,
+    MERGE,
+    NAMESPACED,
+    STRATEGIC,
+    ApiError,
+    field_selector_matches,
+    json_patch,
+    label_selector_matches,
+    merge_patch,
+    strategic_merge,
+    validate_object,
+)
 
-# Lists that strategic merge merges by key (patchStrategy=merge in the Go types); every other list is
-# atomic and replaced whole — notably spec.taints.
-MERGE_KEYS: dict[tuple[str, ...], str] = {
-    ("status", "conditions"): "type",
-    ("status", "addresses"): "type",
-    ("metadata", "ownerReferences"): "uid",
-}
-
-KINDS = {"nodes": "Node", "configmaps": "ConfigMap", "events": "Event"}
-NAMESPACED = {"configmaps", "events"}
-
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-
-
-class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-
-
-# --- patch semantics -------------------------------------------------------------------------------
-
-
-def strategic_merge(original: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
-    if not isinstance(patch, dict) or not isinstance(original, dict):
-        return _strip_directives(copy.deepcopy(patch))
-    if patch.get("$patch") == "replace":
-        return _strip_directives({k: v for k, v in patch.items() if k != "$patch"})
-    result = copy.deepcopy(original)
-    for key, value in patch.items():
-        if key.startswith("$"):
-            continue  # $setElementOrder/..., $retainKeys: ordering hints, not needed here
-        if value is None:
-            result.pop(key, None)
-            continue
-        sub = (*path, key)
-        if isinstance(value, list) and sub in MERGE_KEYS:
-            result[key] = _merge_list(result.get(key) or [], value, MERGE_KEYS[sub], sub)
-        elif isinstance(value, dict):
-            if value.get("$patch") == "delete":
-                result.pop(key, None)
-            else:
-                current = result.get(key)
-                result[key] = strategic_merge(current if isinstance(current, dict) else {}, value, sub)
-        else:
-            result[key] = _strip_directives(copy.deepcopy(value))
-    return result
-
-
-def _merge_list(original: list[Any], patch: list[Any], merge_key: str, path: tuple[str, ...]) -> list[Any]:
-    if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
-        return [_strip_directives(i) for i in patch if not (isinstance(i, dict) and i.get("$patch") == "replace")]
-    result = copy.deepcopy(original)
-    for item in patch:
-        if not isinstance(item, dict) or merge_key not in item:
-            raise ApiError(422, "Invalid", f"{'.'.join(path)}: list item without merge key {merge_key!r}")
-        index = next((i for i, e in enumerate(result) if e.get(merge_key) == item[merge_key]), None)
-        if item.get("$patch") == "delete":
-            if index is not None:
-                del result[index]
-        elif index is None:
-            result.append(_strip_directives(copy.deepcopy(item)))
-        else:
-            result[index] = strategic_merge(result[index], item, path)
-    return result
-
-
-def _strip_directives(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _strip_directives(v) for k, v in value.items() if not k.startswith("$")}
-    if isinstance(value, list):
-        return [_strip_directives(v) for v in value]
-    return value
-
-
-def merge_patch(original: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = copy.deepcopy(original) if isinstance(original, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-def _pointer(path: str) -> list[str]:
-    if path == "":
-        return []
-    if not path.startswith("/"):
-        raise ApiError(422, "Invalid", f"JSON pointer {path!r} must start with /")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
-
-
-def _resolve(doc: Any, parts: list[str]) -> Any:
-    for part in parts:
-        if isinstance(doc, list):
-            doc = doc[int(part)]
-        elif isinstance(doc, dict):
-            doc = doc[part]
-        else:
-            raise KeyError(part)
-    return doc
-
-
-def json_patch(original: Any, operations: Any) -> Any:
-    """RFC 6902."""
-    if not isinstance(operations, list):
-        raise ApiError(400, "BadRequest", "a JSON patch must be a list of operations")
-    doc = copy.deepcopy(original)
-    for op in operations:
-        try:
-            kind = op["op"]
-            parts = _pointer(op["path"])
-            if kind == "test":
-                if _resolve(doc, parts) != op["value"]:
-                    raise ApiError(422, "Invalid", f"test operation failed at {op['path']}")
-                continue
-            if kind in ("move", "copy"):
-                source = _pointer(op["from"])
-                value = copy.deepcopy(_resolve(doc, source))
-                if kind == "move":
-                    doc = _remove(doc, source)
-                doc = _add(doc, parts, value)
-            elif kind == "add":
-                doc = _add(doc, parts, copy.deepcopy(op["value"]))
-            elif kind == "remove":
-                doc = _remove(doc, parts)
-            elif kind == "replace":
-                _resolve(doc, parts)  # must exist
-                doc = _add(_remove(doc, parts), parts, copy.deepcopy(op["value"]))
-            else:
-                raise ApiError(422, "Invalid", f"unknown JSON patch operation {kind!r}")
-        except (KeyError, IndexError, ValueError, TypeError) as exc:
-            raise ApiError(422, "Invalid", f"JSON patch {op!r} does not apply: {exc!r}") from None
-    return doc
-
-
-def _add(doc: Any, parts: list[str], value: Any) -> Any:
-    if not parts:
-        return value
-    parent = _resolve(doc, parts[:-1])
-    last = parts[-1]
-    if isinstance(parent, list):
-        if last == "-":
-            parent.append(value)
-        else:
-            index = int(last)
-            if not 0 <= index <= len(parent):
-                raise IndexError(index)
-            parent.insert(index, value)
-    elif isinstance(parent, dict):
-        parent[last] = value
-    else:
-        raise KeyError(last)
-    return doc
-
-
-def _remove(doc: Any, parts: list[str]) -> Any:
-    if not parts:
-        return None
-    parent = _resolve(doc, parts[:-1])
-    last = parts[-1]
-    if isinstance(parent, list):
-        del parent[int(last)]
-    else:
-        del parent[last]
-    return doc
-
-
-# --- label selectors -------------------------------------------------------------------------------
-
-_SET_TERM = re.compile(r"^\s*([^\s!=]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
-
-
-def _split_selector(text: str) -> list[str]:
-    terms, depth, current = [], 0, ""
-    for char in text:
-        if char == "(":
-            depth += 1
-        elif char == ")":
-            depth -= 1
-        if char == "," and depth == 0:
-            terms.append(current)
-            current = ""
-        else:
-            current += char
-    if current.strip():
-        terms.append(current)
-    return terms
-
-
-def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    for term in _split_selector(selector or ""):
-        term = term.strip()
-        if not term:
-            continue
-        match = _SET_TERM.match(term)
-        if match:
-            key, op, values = match.group(1), match.group(2), {v.strip() for v in match.group(3).split(",")}
-            if (op == "in") != (key in labels and labels[key] in values):
-                return False
-        elif "!=" in term:
-            key, value = (s.strip() for s in term.split("!=", 1))
-            if labels.get(key) == value:
-                return False
-        elif "=" in term:
-            key, value = (s.strip() for s in term.replace("==", "=").split("=", 1))
-            if labels.get(key) != value:
-                return False
-        elif term.startswith("!"):
-            if term[1:].strip() in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
-
-
-def field_selector_matches(selector: str, obj: dict[str, Any]) -> bool:
-    for term in _split_selector(selector or ""):
-        negate = "!=" in term
-        key, value = (s.strip() for s in term.replace("==", "=").replace("!=", "=").split("=", 1))
-        actual: Any = obj
-        for part in key.split("."):
-            actual = actual.get(part) if isinstance(actual, dict) else None
-        if (str(actual) == value) == negate:
-            return False
-    return True
-
-
-# --- validation ------------------------------------------------------------------------------------
-
-
-def _validate_label_key(key: str) -> bool:
-    prefix, _, name = key.rpartition("/")
-    return bool(_LABEL_NAME.match(name)) and (not prefix or bool(_DNS_SUBDOMAIN.match(prefix)))
-
-
-def validate_object(resource: str, obj: dict[str, Any]) -> None:
-    metadata = obj.get("metadata") or {}
-    for key, value in (metadata.get("labels") or {}).items():
-        if not _validate_label_key(key):
-            raise ApiError(422, "Invalid", f"metadata.labels: invalid key {key!r}")
-        if not isinstance(value, str) or (value and not _LABEL_NAME.match(value)):
-            raise ApiError(422, "Invalid", f"metadata.labels[{key}]: invalid value {value!r}")
-    if resource == "nodes":
-        seen = set()
-        for taint in (obj.get("spec") or {}).get("taints") or []:
-            if not _validate_label_key(taint.get("key", "")):
-                raise ApiError(422, "Invalid", f"spec.taints: invalid key {taint.get('key')!r}")
-            if taint.get("effect") not in TAINT_EFFECTS:
-                raise ApiError(422, "Invalid", f"spec.taints: invalid effect {taint.get('effect')!r}")
-            value = taint.get("value", "")
-            if value and not _LABEL_NAME.match(value):
-                raise ApiError(422, "Invalid", f"spec.taints: invalid value {value!r}")
-            if (taint["key"], taint["effect"]) in seen:
-                raise ApiError(422, "Invalid", f"spec.taints: duplicate {taint['key']}:{taint['effect']}")
-            seen.add((taint["key"], taint["effect"]))
-        types = set()
-        for condition in (obj.get("status") or {}).get("conditions") or []:
-            if condition.get("status") not in ("True", "False", "Unknown"):
-                raise ApiError(422, "Invalid", f"status.conditions: invalid status {condition.get('status')!r}")
-            if not condition.get("type") or condition["type"] in types:
-                raise ApiError(422, "Invalid", f"status.conditions: missing or duplicate type {condition.get('type')}")
-            types.add(condition["type"])
-    if resource == "configmaps":
-        for key, value in (obj.get("data") or {}).items():
-            if not re.match(r"^[-._a-zA-Z0-9]+$", key) or not isinstance(value, str):
-                raise ApiError(422, "Invalid", f"data: invalid key {key!r}")
-
+__all__ = [
+    "ApiDouble",
+    "ApiError",
+    "Fault",
+    "Request",
+    "Write",
+    "json_patch",
+    "label_selector_matches",
+    "merge_patch",
+    "running_double",
+    "strategic_merge",
+]
 
 # --- fault injection -------------------------------------------------------------------------------
 
@@ -341,9 +95,21 @@ class Write:
     at: float
 
 
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    status: int
+    sent: int  # bytes of the answer's body
+    accept: str = ""
+
+
 @dataclass
 class _Store:
     objects: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
+    # The stored objects as JSON, so a list of 2,000 Nodes costs a join, not 2,000 deep copies.
+    encoded: dict[tuple[str, str, str], str] = field(default_factory=dict)
     revision: int = 100
 
 
@@ -357,6 +123,10 @@ class ApiDouble:
         self._faults: list[Fault] = []
         self.writes: list[Write] = []
         self.requests: list[tuple[str, str]] = []
+        self.log: list[Request] = []
+        self.bytes_sent = 0
+        # (resource, namespace, name) of the last object stored: lets after_write look at only what changed.
+        self.last_saved: tuple[str, str, str] | None = None
         # Called (outside the store lock) before each write is applied: lets a test act as a concurrent
         # foreign writer exactly between an agent's read and its write.
         self.before_write: Callable[[str, str], None] | None = None
@@ -376,7 +146,7 @@ class ApiDouble:
         class Handler(_Handler):
             api = double
 
-        server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        server = _Server(("127.0.0.1", self.port), Handler)
         server.daemon_threads = True
         self.port = server.server_address[1]
         self._server = server
@@ -518,6 +288,23 @@ class ApiDouble:
                 and field_selector_matches(field_selector, obj)
             ]
 
+    def list_json(
+        self, resource: str, namespace: str | None, label_selector: str = "", field_selector: str = ""
+    ) -> str:
+        """The List document as the HTTP answer sends it, built from the stored JSON (no copies)."""
+        with self._lock:
+            items = [
+                self._store.encoded[key]
+                for key, obj in sorted(self._store.objects.items())
+                if key[0] == resource
+                and (namespace is None or key[1] == namespace)
+                and label_selector_matches(label_selector, obj["metadata"].get("labels") or {})
+                and field_selector_matches(field_selector, obj)
+            ]
+            head = {"apiVersion": "v1", "kind": KINDS[resource] + "List", "metadata": {"resourceVersion": ""}}
+            head["metadata"]["resourceVersion"] = str(self._store.revision)
+        return json.dumps(head)[:-1] + ', "items": [' + ", ".join(items) + "]}"
+
     def create(self, resource: str, namespace: str, body: dict[str, Any], keep_status: bool = False) -> dict[str, Any]:
         body = copy.deepcopy(body)
         metadata = body.setdefault("metadata", {})
@@ -546,6 +333,8 @@ class ApiDouble:
         self._store.revision += 1
         obj["metadata"]["resourceVersion"] = str(self._store.revision)
         self._store.objects[(resource, namespace, name)] = obj
+        self._store.encoded[(resource, namespace, name)] = json.dumps(obj)
+        self.last_saved = (resource, namespace, name)
         if self.after_write is not None:
             self.after_write(self)
         return copy.deepcopy(obj)
@@ -585,6 +374,7 @@ class ApiDouble:
     def delete(self, resource: str, namespace: str, name: str) -> dict[str, Any]:
         with self._lock:
             obj = self._store.objects.pop((resource, namespace, name), None)
+            self._store.encoded.pop((resource, namespace, name), None)
             if obj is None:
                 raise ApiError(404, "NotFound", f'{resource} "{name}" not found')
             self._store.revision += 1
@@ -626,9 +416,23 @@ _PATH = re.compile(
 )
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that drops its connection (a pool that is full, a timeout) is no error of the server."""
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
+
+
+@dataclass(frozen=True)
+class RawJson:
+    text: str
+
+
 class _Handler(BaseHTTPRequestHandler):
     api: ApiDouble
     protocol_version = "HTTP/1.1"
+    _current: tuple[str, str, dict[str, list[str]]] = ("", "", {})
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -670,6 +474,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.api.requests.append((method, path))
+        self._current = (method, path, parse_qs(url.query))
         fault = self.api._take_fault(method, path)
         if fault is not None:
             if fault.delay:
@@ -724,21 +529,23 @@ class _Handler(BaseHTTPRequestHandler):
         if method != "GET" and api.before_write is not None:
             api.before_write(method, path)
         if method == "GET" and name is None:
-            items = api.list(
-                resource,
-                namespace if match["ns"] else None,
-                query.get("labelSelector", [""])[0],
-                query.get("fieldSelector", [""])[0],
+            return 200, RawJson(
+                api.list_json(
+                    resource,
+                    namespace if match["ns"] else None,
+                    query.get("labelSelector", [""])[0],
+                    query.get("fieldSelector", [""])[0],
+                )
             )
-            kind = KINDS[resource] + "List"
-            return 200, {
-                "apiVersion": "v1",
-                "kind": kind,
-                "metadata": {"resourceVersion": str(api.revision)},
-                "items": items,
-            }
         if method == "GET":
-            return 200, api.get(resource, namespace, name)
+            obj = api.get(resource, namespace, name)
+            if "as=PartialObjectMetadata" in (self.headers.get("Accept") or ""):
+                return 200, {
+                    "apiVersion": "meta.k8s.io/v1",
+                    "kind": "PartialObjectMetadata",
+                    "metadata": obj["metadata"],
+                }
+            return 200, obj
         if method == "POST" and name is None and not sub:
             return 201, api.create(resource, namespace, body or {})
         if name is None:
@@ -765,7 +572,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(exc.code, body, headers)
 
     def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
+        data = body.text.encode() if isinstance(body, RawJson) else json.dumps(body).encode()
+        method, path, query = self._current
+        with self.api._lock:
+            accept = self.headers.get("Accept") or ""
+            self.api.log.append(Request(method, path, query, status, len(data), accept))
+            self.api.bytes_sent += len(data)
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterable
 from typing import Any
 
+import kubernetes.client
+
 from agent.config import parse_config
 from agent.kube import KubeAgent
-from agent.state import HealthState, ProbeSpec
+from agent.state import STALE, WARMING_UP, CheckState, HealthState, ProbeSpec, Snapshot, Verdict
 from probes.base import Event, Finding, Status
 from support.kube_double import ApiDouble
 
@@ -75,18 +78,70 @@ def all_ok(state: HealthState, probes: dict[str, tuple[str, ...]] | None = None)
         state.record(probe, [Finding(check, "", Status.OK, "OK", f"{check} fine") for check in checks])
 
 
+def finding(check: str, status: str = "ok", reason: str = "", message: str = "", **extra: Any) -> Finding:
+    status_value = Status(status)
+    reason = reason or ("OK" if status_value == Status.OK else "Broken")
+    return Finding(check, extra.pop("subject", ""), status_value, reason, message or f"{check} is {status}", **extra)
+
+
+def snapshot_of(*findings: Finding, node: str = "n1") -> Snapshot:
+    """A snapshot built by hand: the verdict's reasons are the failing and unknown findings, as /ready says."""
+    states = tuple(CheckState(f, f.check.split(".")[0], 1.0, 1.0, stale=f.reason == STALE) for f in findings)
+    reasons = tuple(f for f in findings if f.status in (Status.FAIL, Status.UNKNOWN))
+    return Snapshot(
+        node=node,
+        version=1,
+        generated_at=1.0,
+        checks=states,
+        probes=(),
+        samples=(),
+        required=(),
+        problem_counts={},
+        verdict=Verdict(not reasons, reasons, 0.0),
+    )
+
+
+def warming(check: str) -> Finding:
+    return Finding(check, "", Status.UNKNOWN, WARMING_UP, "no result yet")
+
+
+def node_object(
+    name: str = "n1",
+    taints: list[dict[str, Any]] | None = None,
+    labels: dict[str, str] | None = None,
+    conditions: list[dict[str, Any]] | None = None,
+    version: str = "7",
+) -> dict[str, Any]:
+    """A Node as the API returns it, for the pure planner."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "resourceVersion": version, "labels": dict(labels or {})},
+        "spec": {"taints": list(taints or [])},
+        "status": {"conditions": list(conditions or [])},
+    }
+
+
 def kube_config(**kube: Any) -> Any:
     settings: dict[str, Any] = {"budget_namespace": BUDGET_NS}
     settings.update(kube)
     return parse_config({"kubernetes": settings})
 
 
-def make_agent(double: ApiDouble, state: HealthState, clock: Clock, seed: int = 0, **kube: Any) -> KubeAgent:
+def make_agent(
+    double: ApiDouble,
+    state: HealthState,
+    clock: Clock,
+    seed: int = 0,
+    client: kubernetes.client.ApiClient | None = None,
+    **kube: Any,
+) -> KubeAgent:
+    """An agent on the double; agents of a simulated fleet share one `client` (one connection pool)."""
     return KubeAgent(
         kube_config(**kube),
         state.node,
         lambda: state.snapshot,
-        double.client(),
+        client or double.client(),
         clock=clock,
         rng=random.Random(seed),
     )
@@ -110,6 +165,27 @@ def conditions(node: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def labels(node: dict[str, Any]) -> dict[str, str]:
     return dict(node["metadata"].get("labels") or {})
+
+
+def slots(double: ApiDouble, name: str = "node-health-budget") -> dict[str, str] | None:
+    """The budget's slots (node → record); None when there is no ConfigMap."""
+    configmap = double.configmap(BUDGET_NS, name)
+    if configmap is None:
+        return None
+    return dict(configmap.get("data") or {})
+
+
+def budget_configmap(data: dict[str, str], fleet: dict[str, object] | None = None) -> dict[str, object]:
+    """A budget ConfigMap as agents write it: slots in data, the fleet record in an annotation."""
+    annotations = {f"{PREFIX}/slots": str(len(data))}
+    if fleet is not None:
+        annotations[f"{PREFIX}/fleet"] = json.dumps(fleet)
+    return {"metadata": {"name": "node-health-budget", "annotations": annotations}, "data": data}
+
+
+def fleet_record(double: ApiDouble) -> dict[str, object]:
+    configmap = double.configmap(BUDGET_NS, "node-health-budget") or {}
+    return dict(json.loads(configmap["metadata"]["annotations"][f"{PREFIX}/fleet"]))
 
 
 def blocking_tainted(nodes: Iterable[dict[str, Any]]) -> list[str]:

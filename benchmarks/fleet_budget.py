@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""The taint budget at fleet scale: what a fleet-wide incident costs the API server, before and after.
+
+    python benchmarks/fleet_budget.py [--nodes 2000] [--minutes 10] [--workers 8] [--only new|baseline]
+
+A fleet of NODES reconcilers runs in this process against the in-repo API double (tests/support/kube_double.py,
+HTTP on 127.0.0.1, through the real kubernetes client), in simulated time: every agent polls every TICK
+simulated seconds, on WORKERS threads so compare-and-swaps really race. The scenario, for each algorithm:
+
+  1. every node healthy; the agents write their conditions and labels (not measured);
+  2. a DNS outage fails every node at the same instant, for MINUTES simulated minutes (measured); halfway,
+     half of the tainted nodes recover, so their slots are given back and taken by nodes still failing;
+  3. every node recovers (not measured): no taint and no slot may be left.
+
+Algorithms: `baseline` is the reconciler and budget of commit BASELINE_COMMIT (agent/kube.py,
+agent/kube_budget.py, agent/kube_policy.py), loaded from git history: every slot request lists every node,
+and a suppressed node re-reads its Node and asks (listing every node again) every 60 s. `new` is agent/kube.
+
+Reported per algorithm: API requests and bytes served per node-minute during the incident, by kind, and
+the most nodes that carried a blocking taint at any instant (checked after every write the API double
+stores). The invariant (never more than the budget) is asserted here: the script exits 1 when it is broken.
+Writes benchmarks/results/fleet_budget.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import random
+import subprocess
+import sys
+import time
+import types
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from support.kube_double import ApiDouble, Request  # noqa: E402
+from support.kube_helpers import PREFIX, Clock, configure, record  # noqa: E402
+
+from agent.config import parse_config  # noqa: E402
+from agent.kube import KubeAgent  # noqa: E402
+from agent.state import HealthState  # noqa: E402
+
+BASELINE_COMMIT = "2a10fe9"
+BASELINE_FILES = ("agent/kube.py", "agent/kube_budget.py", "agent/kube_policy.py")
+TICK = 5.0
+PROBES = {"network": ("network.dns",)}
+BLOCKING = ("NoSchedule", "NoExecute")
+
+
+def load_baseline() -> type:
+    """The old KubeAgent, from git history, as the package `baseline_kube` (its agent.* imports rewired)."""
+    package = types.ModuleType("baseline_kube")
+    package.__path__ = []
+    sys.modules["baseline_kube"] = package
+    import agent.state
+    from probes.base import CATEGORIES
+
+    if not hasattr(agent.state, "CONDITION_TYPES"):  # a name the old policy imports
+        agent.state.CONDITION_TYPES = {c.name: c.condition_type for c in CATEGORIES.values()}  # type: ignore[attr-defined]
+    for path in ("agent/kube_policy.py", "agent/kube_budget.py", "agent/kube.py"):
+        try:
+            source = subprocess.run(
+                ["git", "-C", str(REPO), "show", f"{BASELINE_COMMIT}:{path}"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=30,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise SystemExit(f"baseline: cannot read {path} at {BASELINE_COMMIT} from git: {exc}") from None
+        source = source.replace("from agent.kube_budget ", "from baseline_kube.kube_budget ")
+        source = source.replace("from agent.kube_policy ", "from baseline_kube.kube_policy ")
+        name = "baseline_kube." + Path(path).stem
+        spec = importlib.util.spec_from_loader(name, loader=None)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        exec(compile(source, f"{BASELINE_COMMIT}:{path}", "exec"), module.__dict__)
+    return sys.modules["baseline_kube.kube"].KubeAgent  # type: ignore[no-any-return]
+
+
+class TaintWatch:
+    """after_write hook of the double: blocking-tainted nodes after every stored change, and the most ever."""
+
+    def __init__(self) -> None:
+        self.tainted: set[str] = set()
+        self.most = 0
+
+    def __call__(self, api: ApiDouble) -> None:
+        if api.last_saved is None or api.last_saved[0] != "nodes":
+            return
+        node = api._store.objects[api.last_saved]
+        name = api.last_saved[2]
+        if any(
+            t["key"].startswith(PREFIX + "/") and t["effect"] in BLOCKING
+            for t in (node.get("spec") or {}).get("taints") or []
+        ):
+            self.tainted.add(name)
+        else:
+            self.tainted.discard(name)
+        self.most = max(self.most, len(self.tainted))
+
+
+@dataclass
+class Fleet:
+    """Two shared health states (healthy, failing): what each node's snapshot is depends on its set."""
+
+    clock: Clock
+    failing: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.healthy_state = self._state()
+        self.failing_state = self._state()
+        self.report()
+
+    def _state(self) -> HealthState:
+        state = HealthState("fleet", fail_threshold=1, recovery_threshold=1, clock=self.clock, monotonic=self.clock)
+        configure(state, PROBES)
+        return state
+
+    def report(self) -> None:
+        """A probe run on every node: results stay fresh."""
+        record(self.healthy_state, "network", "network.dns", "ok")
+        record(self.failing_state, "network", "network.dns", "fail", "DnsFailed")
+
+    def snapshot_of(self, name: str) -> Callable[[], Any]:
+        return lambda: (self.failing_state if name in self.failing else self.healthy_state).snapshot
+
+
+def add_nodes(double: ApiDouble, names: list[str]) -> None:
+    for i, name in enumerate(names):
+        double.add_node(
+            name,
+            labels={
+                "kubernetes.io/hostname": name,
+                "node.kubernetes.io/instance-type": "accel-8x",
+                "topology.kubernetes.io/zone": f"zone-{i % 3}",
+                "pool": "accel",
+            },
+        )
+
+
+class Simulation:
+    """NODES agents of one algorithm on one API double, polled every TICK simulated seconds on WORKERS threads."""
+
+    def __init__(self, algorithm: str, nodes: int, workers: int) -> None:
+        agent_class: Any = KubeAgent if algorithm == "new" else load_baseline()
+        self.double = ApiDouble().start()
+        self.names = [f"node-{i:05d}" for i in range(nodes)]
+        add_nodes(self.double, self.names)
+        self.watch = TaintWatch()
+        self.double.after_write = self.watch
+        self.clock = Clock()
+        self.fleet = Fleet(self.clock)
+        configuration = kubernetes.client.Configuration(host=self.double.host)
+        configuration.connection_pool_maxsize = workers  # one connection per worker, kept alive
+        client = kubernetes.client.ApiClient(configuration)
+        settings = {"budget_namespace": "node-health", "budget_node_selector": "pool=accel", "max_unhealthy": "10%"}
+        config = parse_config({"kubernetes": settings})
+        self.limit = -(-nodes * 10 // 100)  # 10%, rounded up
+        self.agents = [
+            agent_class(config, name, self.fleet.snapshot_of(name), client, clock=self.clock, rng=random.Random(i))
+            for i, name in enumerate(self.names)
+        ]
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+
+    def _step(self, agent: Any) -> None:
+        if isinstance(agent, KubeAgent):
+            agent.step()
+        elif self.clock() >= agent._retry_at:  # the old reconciler thread's loop body
+            agent._attempt()
+
+    def advance(self, seconds: float) -> None:
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            list(self.pool.map(self._step, self.agents))
+            self.clock.advance(TICK)
+            if int(self.clock.now) % 30 < TICK:
+                self.fleet.report()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.double.stop()
+
+
+def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, Any]:
+    sim = Simulation(algorithm, nodes, workers)
+    try:
+        started = time.monotonic()
+        sim.advance(60)
+        start_log, start_bytes = len(sim.double.log), sim.double.bytes_sent
+        sim.fleet.failing = set(sim.names)  # the outage
+        sim.advance(minutes * 30)
+        sim.fleet.failing -= set(sorted(sim.watch.tainted)[: len(sim.watch.tainted) // 2])
+        sim.advance(minutes * 30)
+        window = sim.double.log[start_log:]
+        sent = sim.double.bytes_sent - start_bytes
+        tainted_at_end = len(sim.watch.tainted)
+        sim.fleet.failing = set()
+        sim.advance(120)  # recovery, not measured
+        configmap = sim.double.configmap("node-health", "node-health-budget") or {}
+        node_minutes = nodes * minutes
+        return {
+            "algorithm": algorithm,
+            "nodes": nodes,
+            "minutes": minutes,
+            "budget": sim.limit,
+            "requests": len(window),
+            "bytes": sent,
+            "requests_per_node_minute": len(window) / node_minutes,
+            "bytes_per_node_minute": sent / node_minutes,
+            "requests_by_kind": dict(sorted(Counter(kind(r) for r in window).items())),
+            "conflicts": sum(1 for r in window if r.status == 409),
+            "most_tainted": sim.watch.most,
+            "tainted_at_end_of_incident": tainted_at_end,
+            "tainted_after_recovery": len(sim.watch.tainted),
+            "slots_after_recovery": len([k for k in (configmap.get("data") or {}) if not k.startswith("_")]),
+            "wall_seconds": round(time.monotonic() - started, 1),
+        }
+    finally:
+        sim.close()
+
+
+def kind(request: Request) -> str:
+    method, path = request.method, request.path
+    if "/configmaps" in path:
+        metadata = " (metadata only)" if "PartialObjectMetadata" in request.accept else ""
+        return f"{method} configmap{metadata}"
+    if "/events" in path:
+        return f"{method} event"
+    if path == "/api/v1/nodes":
+        selector = request.query.get("labelSelector", [""])[0]
+        return "LIST nodes (labelled tainted)" if "tainted" in selector else "LIST nodes (all)"
+    return f"{method} node" + ("/status" if path.endswith("/status") else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=2000)
+    parser.add_argument("--minutes", type=float, default=10.0, help="simulated minutes of the incident")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--only", choices=("new", "baseline"))
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fleet_budget.json"))
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)  # 1,800 suppressed agents each say so; the figures are what matters here
+    results = {}
+    for algorithm in ("baseline", "new"):
+        if args.only and algorithm != args.only:
+            continue
+        results[algorithm] = run(algorithm, args.nodes, args.minutes, args.workers)
+        row = results[algorithm]
+        print(
+            f"{algorithm:8}  {row['requests_per_node_minute']:8.2f} requests/node-minute  "
+            f"{row['bytes_per_node_minute'] / 1024:10.1f} KiB/node-minute  most tainted {row['most_tainted']} "
+            f"of {row['budget']}  ({row['wall_seconds']} s)"
+        )
+        for name, count in row["requests_by_kind"].items():
+            print(f"          {name:32} {count / (args.nodes * args.minutes):10.3f} per node-minute")
+    if len(results) == 2:
+        old, new = results["baseline"], results["new"]
+        print(
+            f"new/baseline: requests x{new['requests'] / old['requests']:.3f}, bytes x{new['bytes'] / old['bytes']:.4f}"
+        )
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(results, indent=2))
+    broken = [r for r in results.values() if r["most_tainted"] > r["budget"]]
+    leftovers = [r for r in results.values() if r["tainted_after_recovery"] or r["slots_after_recovery"]]
+    for row in results.values():
+        verdict = "OK" if row["most_tainted"] <= row["budget"] else "BROKEN"
+        print(f"budget invariant ({row['algorithm']}): {row['most_tainted']} <= {row['budget']} tainted: {verdict}")
+    if leftovers:
+        print(f"taints or slots left after recovery: {[r['algorithm'] for r in leftovers]}")
+    return 1 if broken or leftovers else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Kubernetes API semantics the API double (kube_double.py) implements, as pure functions: strategic-merge,
+JSON merge (RFC 7386) and JSON patch (RFC 6902), label and field selectors, and the validation of what the agent
+writes (taints, labels, conditions, ConfigMap keys)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+STRATEGIC = "application/strategic-merge-patch+json"
+MERGE = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+
+# Lists that strategic merge merges by key (patchStrategy=merge in the Go types); every other list is
+# atomic and replaced whole — notably spec.taints.
+MERGE_KEYS: dict[tuple[str, ...], str] = {
+    ("status", "conditions"): "type",
+    ("status", "addresses"): "type",
+    ("metadata", "ownerReferences"): "uid",
+}
+
+KINDS = {"nodes": "Node", "configmaps": "ConfigMap", "events": "Event"}
+NAMESPACED = {"configmaps", "events"}
+
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+# --- patch semantics -------------------------------------------------------------------------------
+
+
+def strategic_merge(original: Any, patch: Any, path: tuple[str, ...] = ()) -> Any:
+    if not isinstance(patch, dict) or not isinstance(original, dict):
+        return _strip_directives(copy.deepcopy(patch))
+    if patch.get("$patch") == "replace":
+        return _strip_directives({k: v for k, v in patch.items() if k != "$patch"})
+    result = copy.deepcopy(original)
+    for key, value in patch.items():
+        if key.startswith("$"):
+            continue  # $setElementOrder/..., $retainKeys: ordering hints, not needed here
+        if value is None:
+            result.pop(key, None)
+            continue
+        sub = (*path, key)
+        if isinstance(value, list) and sub in MERGE_KEYS:
+            result[key] = _merge_list(result.get(key) or [], value, MERGE_KEYS[sub], sub)
+        elif isinstance(value, dict):
+            if value.get("$patch") == "delete":
+                result.pop(key, None)
+            else:
+                current = result.get(key)
+                result[key] = strategic_merge(current if isinstance(current, dict) else {}, value, sub)
+        else:
+            result[key] = _strip_directives(copy.deepcopy(value))
+    return result
+
+
+def _merge_list(original: list[Any], patch: list[Any], merge_key: str, path: tuple[str, ...]) -> list[Any]:
+    if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
+        return [_strip_directives(i) for i in patch if not (isinstance(i, dict) and i.get("$patch") == "replace")]
+    result = copy.deepcopy(original)
+    for item in patch:
+        if not isinstance(item, dict) or merge_key not in item:
+            raise ApiError(422, "Invalid", f"{'.'.join(path)}: list item without merge key {merge_key!r}")
+        index = next((i for i, e in enumerate(result) if e.get(merge_key) == item[merge_key]), None)
+        if item.get("$patch") == "delete":
+            if index is not None:
+                del result[index]
+        elif index is None:
+            result.append(_strip_directives(copy.deepcopy(item)))
+        else:
+            result[index] = strategic_merge(result[index], item, path)
+    return result
+
+
+def _strip_directives(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_directives(v) for k, v in value.items() if not k.startswith("$")}
+    if isinstance(value, list):
+        return [_strip_directives(v) for v in value]
+    return value
+
+
+def merge_patch(original: Any, patch: Any) -> Any:
+    """RFC 7386."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(original) if isinstance(original, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def _pointer(path: str) -> list[str]:
+    if path == "":
+        return []
+    if not path.startswith("/"):
+        raise ApiError(422, "Invalid", f"JSON pointer {path!r} must start with /")
+    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+
+
+def _resolve(doc: Any, parts: list[str]) -> Any:
+    for part in parts:
+        if isinstance(doc, list):
+            doc = doc[int(part)]
+        elif isinstance(doc, dict):
+            doc = doc[part]
+        else:
+            raise KeyError(part)
+    return doc
+
+
+def json_patch(original: Any, operations: Any) -> Any:
+    """RFC 6902."""
+    if not isinstance(operations, list):
+        raise ApiError(400, "BadRequest", "a JSON patch must be a list of operations")
+    doc = copy.deepcopy(original)
+    for op in operations:
+        try:
+            kind = op["op"]
+            parts = _pointer(op["path"])
+            if kind == "test":
+                if _resolve(doc, parts) != op["value"]:
+                    raise ApiError(422, "Invalid", f"test operation failed at {op['path']}")
+                continue
+            if kind in ("move", "copy"):
+                source = _pointer(op["from"])
+                value = copy.deepcopy(_resolve(doc, source))
+                if kind == "move":
+                    doc = _remove(doc, source)
+                doc = _add(doc, parts, value)
+            elif kind == "add":
+                doc = _add(doc, parts, copy.deepcopy(op["value"]))
+            elif kind == "remove":
+                doc = _remove(doc, parts)
+            elif kind == "replace":
+                _resolve(doc, parts)  # must exist
+                doc = _add(_remove(doc, parts), parts, copy.deepcopy(op["value"]))
+            else:
+                raise ApiError(422, "Invalid", f"unknown JSON patch operation {kind!r}")
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise ApiError(422, "Invalid", f"JSON patch {op!r} does not apply: {exc!r}") from None
+    return doc
+
+
+def _add(doc: Any, parts: list[str], value: Any) -> Any:
+    if not parts:
+        return value
+    parent = _resolve(doc, parts[:-1])
+    last = parts[-1]
+    if isinstance(parent, list):
+        if last == "-":
+            parent.append(value)
+        else:
+            index = int(last)
+            if not 0 <= index <= len(parent):
+                raise IndexError(index)
+            parent.insert(index, value)
+    elif isinstance(parent, dict):
+        parent[last] = value
+    else:
+        raise KeyError(last)
+    return doc
+
+
+def _remove(doc: Any, parts: list[str]) -> Any:
+    if not parts:
+        return None
+    parent = _resolve(doc, parts[:-1])
+    last = parts[-1]
+    if isinstance(parent, list):
+        del parent[int(last)]
+    else:
+        del parent[last]
+    return doc
+
+
+# --- label selectors -------------------------------------------------------------------------------
+
+_SET_TERM = re.compile(r"^\s*([^\s!=]+)\s+(in|notin)\s+\(([^)]*)\)\s*$")
+
+
+def _split_selector(text: str) -> list[str]:
+    terms, depth, current = [], 0, ""
+    for char in text:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        if char == "," and depth == 0:
+            terms.append(current)
+            current = ""
+        else:
+            current += char
+    if current.strip():
+        terms.append(current)
+    return terms
+
+
+def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    for term in _split_selector(selector or ""):
+        term = term.strip()
+        if not term:
+            continue
+        match = _SET_TERM.match(term)
+        if match:
+            key, op, values = match.group(1), match.group(2), {v.strip() for v in match.group(3).split(",")}
+            if (op == "in") != (key in labels and labels[key] in values):
+                return False
+        elif "!=" in term:
+            key, value = (s.strip() for s in term.split("!=", 1))
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = (s.strip() for s in term.replace("==", "=").split("=", 1))
+            if labels.get(key) != value:
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def field_selector_matches(selector: str, obj: dict[str, Any]) -> bool:
+    for term in _split_selector(selector or ""):
+        negate = "!=" in term
+        key, value = (s.strip() for s in term.replace("==", "=").replace("!=", "=").split("=", 1))
+        actual: Any = obj
+        for part in key.split("."):
+            actual = actual.get(part) if isinstance(actual, dict) else None
+        if (str(actual) == value) == negate:
+            return False
+    return True
+
+
+# --- validation ------------------------------------------------------------------------------------
+
+
+def _validate_label_key(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    return bool(_LABEL_NAME.match(name)) and (not prefix or bool(_DNS_SUBDOMAIN.match(prefix)))
+
+
+def validate_object(resource: str, obj: dict[str, Any]) -> None:
+    metadata = obj.get("metadata") or {}
+    for key, value in (metadata.get("labels") or {}).items():
+        if not _validate_label_key(key):
+            raise ApiError(422, "Invalid", f"metadata.labels: invalid key {key!r}")
+        if not isinstance(value, str) or (value and not _LABEL_NAME.match(value)):
+            raise ApiError(422, "Invalid", f"metadata.labels[{key}]: invalid value {value!r}")
+    if resource == "nodes":
+        seen = set()
+        for taint in (obj.get("spec") or {}).get("taints") or []:
+            if not _validate_label_key(taint.get("key", "")):
+                raise ApiError(422, "Invalid", f"spec.taints: invalid key {taint.get('key')!r}")
+            if taint.get("effect") not in TAINT_EFFECTS:
+                raise ApiError(422, "Invalid", f"spec.taints: invalid effect {taint.get('effect')!r}")
+            value = taint.get("value", "")
+            if value and not _LABEL_NAME.match(value):
+                raise ApiError(422, "Invalid", f"spec.taints: invalid value {value!r}")
+            if (taint["key"], taint["effect"]) in seen:
+                raise ApiError(422, "Invalid", f"spec.taints: duplicate {taint['key']}:{taint['effect']}")
+            seen.add((taint["key"], taint["effect"]))
+        types = set()
+        for condition in (obj.get("status") or {}).get("conditions") or []:
+            if condition.get("status") not in ("True", "False", "Unknown"):
+                raise ApiError(422, "Invalid", f"status.conditions: invalid status {condition.get('status')!r}")
+            if not condition.get("type") or condition["type"] in types:
+                raise ApiError(422, "Invalid", f"status.conditions: missing or duplicate type {condition.get('type')}")
+            types.add(condition["type"])
+    if resource == "configmaps":
+        for key, value in (obj.get("data") or {}).items():
+            if not re.match(r"^[-._a-zA-Z0-9]+$", key) or not isinstance(value, str):
+                raise ApiError(422, "Invalid", f"data: invalid key {key!r}")
