@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 
+from agent.configfile import ConfigFileError, excerpt, parse_yaml, read_bounded
 from probes import all_families
 from probes.base import PositiveSeconds, Section, family_settings
 
@@ -71,6 +72,8 @@ class KubernetesConfig(Section):
     dry_run: bool = False
     max_unhealthy: str = "10%"
     kubeconfig: str | None = None
+    # NoExecute evicts every pod on the node that does not tolerate the taint: refused unless this is true.
+    allow_noexecute: bool = False
     # Reason → taint effect; reasons not listed take default_effect. "None" reports without tainting.
     default_effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute", "None"] = "NoSchedule"
     effects: dict[str, Literal["NoSchedule", "PreferNoSchedule", "NoExecute", "None"]] = {}
@@ -86,8 +89,11 @@ class KubernetesConfig(Section):
     budget_configmap: str = "node-health-budget"
     budget_namespace: str = ""  # empty: $POD_NAMESPACE, else the ServiceAccount's namespace, else node-health
     budget_node_selector: str = ""  # label selector of the nodes a percentage counts; empty: every node
-    budget_retry_seconds: PositiveSeconds = 60.0  # a suppressed node asks for a slot again this often
+    budget_retry_seconds: PositiveSeconds = 60.0  # a suppressed node asks for a slot again after this...
+    budget_retry_max_seconds: PositiveSeconds = 300.0  # ...doubling (jittered) up to this
     budget_grace_seconds: PositiveSeconds = 120.0  # a slot whose node is not tainted yet survives pruning
+    # The eligible nodes a percentage counts are listed (from the API server's cache) by one agent this often.
+    budget_recount_seconds: PositiveSeconds = 900.0
     # API errors (unreachable, 429, 5xx, 403) back off exponentially with jitter between these bounds.
     backoff_initial_seconds: PositiveSeconds = 1.0
     backoff_max_seconds: PositiveSeconds = 300.0
@@ -100,6 +106,16 @@ class KubernetesConfig(Section):
     def _dns_prefix(cls, value: str) -> str:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
             raise ValueError("must be a DNS subdomain (lowercase letters, digits, '-', '.'), e.g. node-health")
+        return value
+
+    @field_validator("default_effect", "effects")
+    @classmethod
+    def _noexecute_allowed(cls, value: Any, info: ValidationInfo) -> Any:
+        effects = value.values() if isinstance(value, dict) else [value]
+        if "NoExecute" in effects and not info.data.get("allow_noexecute"):
+            raise ValueError(
+                "NoExecute evicts the pods running on the node; set kubernetes.allow_noexecute: true to allow it"
+            )
         return value
 
     @field_validator("max_unhealthy", mode="before")
@@ -128,6 +144,17 @@ class Config(Section):
     health: HealthConfig = HealthConfig()
     probes: dict[str, ProbeSchedule] = {}
     kubernetes: KubernetesConfig = KubernetesConfig()
+
+    @field_validator("node_name")
+    @classmethod
+    def _matches_node_name_env(cls, value: str) -> str:
+        env = os.environ.get("NODE_NAME", "")
+        if value and env and value != env:
+            raise ValueError(
+                f"differs from $NODE_NAME ({env!r}): a config shared by every agent would make them all reconcile "
+                f"node {value!r}; leave node_name empty where $NODE_NAME is set"
+            )
+        return value
 
     @property
     def resolved_node_name(self) -> str:
@@ -180,8 +207,13 @@ def _describe_errors(exc: ValidationError) -> str:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             lines.append(f"config key {key}: unknown key" + (f" under {parent}" if parent else ""))
         else:
-            lines.append(f"config key {key}: {error['msg']} (got {error.get('input')!r})")
-    return "; ".join(lines)
+            lines.append(f"config key {key}: {_clip(str(error['msg']))} (got {excerpt(error.get('input'))})")
+    more = f"; and {len(lines) - 10} more errors" if len(lines) > 10 else ""
+    return "; ".join(lines[:10]) + more
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def parse_config(data: Any, known_probes: dict[str, Any] | None = None) -> Config:
@@ -194,6 +226,8 @@ def parse_config(data: Any, known_probes: dict[str, Any] | None = None) -> Confi
         config = config_model().model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_describe_errors(exc)) from None
+    except (RecursionError, ValueError, OverflowError) as exc:  # a value no validator can even look at
+        raise ConfigError(f"config: unreadable value: {_clip(str(exc))}") from None
     if known_probes is not None:
         unknown = sorted(set(config.probes) - set(known_probes))
         if unknown:
@@ -204,16 +238,13 @@ def parse_config(data: Any, known_probes: dict[str, Any] | None = None) -> Confi
 
 
 def load_config(path: str | Path | None, known_probes: dict[str, Any] | None = None) -> Config:
+    """Read, parse and validate a config file; every problem is a ConfigError (exit 2, or a rejected reload)."""
     if path is None:
         return parse_config({}, known_probes)
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+        data = parse_yaml(read_bounded(path), f"config file {path}")
+    except ConfigFileError as exc:
+        raise ConfigError(str(exc)) from None
     return parse_config(data, known_probes)
 
 

@@ -258,6 +258,7 @@ def test_policy_compares_every_other_node_field_of_every_schema(part: str, own: 
         assert fields - {own} <= compared, (version, sorted(fields - {own} - compared))
 
 
+@pytest.mark.system
 def test_rendered_default_kustomization_carries_this_policy() -> None:
     kubectl = require_tool("kubectl")
     result = subprocess.run([kubectl, "kustomize", str(REPO / "deploy")], capture_output=True, text=True, timeout=120)

@@ -86,7 +86,7 @@ def test_check_table_json_and_exit_codes(tmp_path: Path) -> None:
     assert set(doc) >= {"node", "ready", "generated_at", "findings", "probes"}
     assert doc["ready"] is False
     assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$", doc["generated_at"])
-    (finding,) = [f for f in doc["findings"] if f["check"] == "host.memory"]
+    (finding,) = [f for f in doc["findings"] if f["check"] == "host.memory" and f["subject"] == ""]
     assert finding["reason"] == "HostMemoryLow" and finding["hint"]
     assert {p["name"] for p in doc["probes"]} == {"host"}
     assert all(set(p) >= {"name", "last_run", "duration_seconds", "result"} for p in doc["probes"])
@@ -128,6 +128,7 @@ def fetch(port: int, path: str) -> bytes:
         return response.read()
 
 
+@pytest.mark.system
 def test_daemon_reloads_config_on_change_and_sighup_and_stops_on_sigterm(tmp_path: Path) -> None:
     config_path = write(tmp_path, "http: {address: 127.0.0.1, port: 0}\nstorage: {space: [{path: /}]}\n")
     proc, port = start_daemon(config_path)
@@ -172,6 +173,7 @@ def test_daemon_reloads_config_on_change_and_sighup_and_stops_on_sigterm(tmp_pat
             proc.wait()
 
 
+@pytest.mark.system
 def test_json_logs(tmp_path: Path) -> None:
     config_path = write(tmp_path, "http: {address: 127.0.0.1, port: 0}\nlogging: {format: json}\n")
     proc = subprocess.Popen(

@@ -10,12 +10,15 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 from support.fusefs import fuse_mount
 from support.system import require, require_root, require_tool
 
 from agent.config import parse_config
 from agent.daemon import Agent
 from probes import all_probes
+
+pytestmark = pytest.mark.system
 
 
 def fetch(port: int, path: str) -> tuple[int, bytes, float]:

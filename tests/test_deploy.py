@@ -106,6 +106,7 @@ def test_manifest_validates(path: Path, version: str) -> None:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("version", VERSIONS)
 def test_rendered_kustomizations_validate(version: str, tmp_path: Path) -> None:
     without_policy = overlay(tmp_path / "older-cluster", [DEPLOY], (NO_ADMISSION_POLICY,))
@@ -123,6 +124,7 @@ def test_validator_rejects_a_wrong_manifest() -> None:
         kubernetes_validate.validate(daemonset, VERSIONS[0], strict=True)
 
 
+@pytest.mark.system
 def test_kustomization_installs_everything_the_admission_policy_included() -> None:
     kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     assert kustomization["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
@@ -144,6 +146,7 @@ def test_kustomization_installs_everything_the_admission_policy_included() -> No
     assert ds_image in images
 
 
+@pytest.mark.system
 def test_no_admission_policy_component_leaves_out_only_the_policy(tmp_path: Path) -> None:
     component = yaml.safe_load((NO_ADMISSION_POLICY / "kustomization.yaml").read_text())
     assert component["kind"] == "Component"
@@ -221,6 +224,7 @@ def test_service_reaches_the_agent_on_the_same_node() -> None:
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
 
+@pytest.mark.system
 def test_dockerfile_is_hadolint_clean() -> None:
     hadolint = require_tool("hadolint")
     result = subprocess.run(
@@ -238,6 +242,7 @@ def shipped_config() -> dict[str, Any]:
     return dict(yaml.safe_load(configmap["data"]["config.yaml"]))
 
 
+@pytest.mark.system
 def test_shipped_config_is_valid_and_resolves_no_cluster_name_with_the_node_resolver() -> None:
     raw = shipped_config()
     config = parse_config(raw, all_probes())
@@ -390,6 +395,7 @@ def test_tolerations_example_names_every_category_once() -> None:
     assert all(v == {"key": v["key"], "operator": "Exists"} for v in values)
 
 
+@pytest.mark.system
 def test_tolerations_example_adds_to_device_plugin_daemonsets(tmp_path: Path) -> None:
     sources = tmp_path / "device-plugins"
     sources.mkdir()
@@ -424,6 +430,7 @@ def test_tolerations_example_adds_to_device_plugin_daemonsets(tmp_path: Path) ->
     assert not any(tolerates(t, taint) for t in ASCEND_DEVICE_PLUGIN["spec"]["template"]["spec"]["tolerations"])
 
 
+@pytest.mark.system
 def test_tolerations_example_stops_loudly_on_a_daemonset_without_tolerations(tmp_path: Path) -> None:
     sources = tmp_path / "bare"
     sources.mkdir()
@@ -454,6 +461,7 @@ def test_deployment_docs_table_of_taints_and_conditions_is_the_category_table() 
     assert rows == [(f"node-health/{name}", category.condition_type) for name, category in CATEGORIES.items()]
 
 
+@pytest.mark.system
 def test_deployment_docs_kustomizations_render(tmp_path: Path) -> None:
     """The page's overlays, used as written from a directory beside a node-health checkout."""
     (tmp_path / "node-health").symlink_to(REPO, target_is_directory=True)

@@ -46,6 +46,7 @@ def py_spy() -> str:
     return require_tool("py-spy")
 
 
+@pytest.mark.system
 def test_filebaton_wait_names_the_lock_path(py_spy: str, tmp_path: Path) -> None:
     build_directory = tmp_path / "torch_extensions" / "py311_cpu" / "fused_adam"
     build_directory.mkdir(parents=True)
@@ -65,6 +66,7 @@ def test_filebaton_wait_names_the_lock_path(py_spy: str, tmp_path: Path) -> None
         assert waiting_on_lock(proc.pid, 10) == str(build_directory / "lock")
 
 
+@pytest.mark.system
 def test_filebaton_wait_without_visible_path(py_spy: str, tmp_path: Path) -> None:
     lock = tmp_path / "lock"
     lock.touch()
@@ -75,6 +77,7 @@ def test_filebaton_wait_without_visible_path(py_spy: str, tmp_path: Path) -> Non
         assert result.lock_path == str(lock)
 
 
+@pytest.mark.system
 def test_soft_lock_poll_is_a_lock_wait(py_spy: str, tmp_path: Path) -> None:
     lock = tmp_path / "model.safetensors.lock"
     lock.touch()
@@ -85,6 +88,7 @@ def test_soft_lock_poll_is_a_lock_wait(py_spy: str, tmp_path: Path) -> None:
         assert waiting_on_lock(proc.pid, 10) == str(lock)
 
 
+@pytest.mark.system
 def test_idle_event_loop(py_spy: str) -> None:
     with child(IDLE_LOOP) as proc:
         result = diagnose_until(proc.pid, IDLE_EVENT_LOOP)
@@ -95,6 +99,7 @@ def test_idle_event_loop(py_spy: str) -> None:
         assert waiting_on_lock(proc.pid, 10) is None
 
 
+@pytest.mark.system
 def test_blocked_in_socket_read(py_spy: str) -> None:
     with child(SOCKET_READ) as proc:
         result = diagnose_until(proc.pid, BLOCKED_IO)
@@ -103,6 +108,7 @@ def test_blocked_in_socket_read(py_spy: str) -> None:
         assert result.threads[0].kernel_state == "S"
 
 
+@pytest.mark.system
 def test_running(py_spy: str) -> None:
     with child(BUSY) as proc:
         result = diagnose_until(proc.pid, RUNNING)
@@ -110,6 +116,7 @@ def test_running(py_spy: str) -> None:
         assert "spin" in result.detail
 
 
+@pytest.mark.system
 def test_main_diagnose_json_and_exit_codes(py_spy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     build_directory = tmp_path / "ext"
     build_directory.mkdir()
@@ -139,6 +146,7 @@ def test_main_diagnose_missing_process_and_bad_input(capsys: pytest.CaptureFixtu
     assert main_diagnose(-5, as_json=True) == 2
 
 
+@pytest.mark.system
 def test_not_a_python_process(py_spy: str) -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:
@@ -240,6 +248,7 @@ def test_parse_rejects_other_json() -> None:
         parse_py_spy_json("not json")
 
 
+@pytest.mark.system
 def test_cli_diagnose_end_to_end(py_spy: str, tmp_path: Path) -> None:
     build_directory = tmp_path / "ext"
     build_directory.mkdir()

@@ -83,6 +83,7 @@ def drive(
     raise AssertionError("the fleet did not converge")
 
 
+@pytest.mark.system
 def test_a_fleet_failing_at_once_never_exceeds_the_budget(double: ApiDouble) -> None:
     nodes, limit = 300, 30
     clock = Clock()
@@ -179,6 +180,7 @@ def requests_of(log: Iterable[Any]) -> list[tuple[str, str, str]]:
     return [(r.method, r.path, json.dumps(r.query, sort_keys=True)) for r in log]
 
 
+@pytest.mark.system
 def test_a_waiting_node_costs_the_same_whatever_the_fleet_size(double: ApiDouble) -> None:
     small = waiting_for_an_hour(double, 20)
     with running_double() as other:
@@ -194,6 +196,7 @@ def test_a_waiting_node_costs_the_same_whatever_the_fleet_size(double: ApiDouble
     assert len(node_reads) <= 3600 / 600 + 1, "the Node itself is read only at heartbeats"
 
 
+@pytest.mark.system
 def test_retries_back_off_exponentially_with_jitter_up_to_the_cap(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("holder")
@@ -219,6 +222,7 @@ def test_retries_back_off_exponentially_with_jitter_up_to_the_cap(double: ApiDou
     assert max(gaps) <= 301
 
 
+@pytest.mark.system
 def test_the_node_count_is_shared_refreshed_rarely_and_read_from_the_watch_cache(double: ApiDouble) -> None:
     fleet(double, 50)
     clock = Clock()
@@ -253,6 +257,7 @@ def test_the_node_count_is_shared_refreshed_rarely_and_read_from_the_watch_cache
     assert blocking_tainted(double.nodes()) == ["gpu-0", "gpu-1", "gpu-2"], "5% of 54 is still 3"
 
 
+@pytest.mark.system
 def test_while_another_agent_holds_the_counting_lease_a_first_count_is_awaited(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("a")
@@ -277,6 +282,7 @@ def slot(at: float) -> str:
     return json.dumps({"acquired_at": at, "taints": "network=DnsFailed"})
 
 
+@pytest.mark.system
 def test_a_full_count_prunes_slots_of_gone_and_untainted_nodes(double: ApiDouble) -> None:
     clock = Clock()
     for name in ("a", "b", "c"):
@@ -292,6 +298,7 @@ def test_a_full_count_prunes_slots_of_gone_and_untainted_nodes(double: ApiDouble
     assert agent.status()["budget"]["slot_held"] is True
 
 
+@pytest.mark.system
 def test_when_the_budget_is_spent_holders_are_verified_with_the_tainted_label(double: ApiDouble) -> None:
     clock = Clock()
     tainted = {"key": f"{PREFIX}/storage", "value": "MountMissing", "effect": "NoSchedule"}
@@ -313,6 +320,7 @@ def test_when_the_budget_is_spent_holders_are_verified_with_the_tainted_label(do
     assert our_taints(double.node("a")) == {"network": ("DnsFailed", "NoSchedule")}
 
 
+@pytest.mark.system
 def test_a_tainted_node_without_a_slot_counts_and_keeps_its_taint(double: ApiDouble) -> None:
     clock = Clock()
     taint = {"key": f"{PREFIX}/storage", "value": "MountMissing", "effect": "NoSchedule"}

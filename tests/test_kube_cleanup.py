@@ -86,6 +86,7 @@ def foreign_parts(node: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, 
     return {k: v for k, v in labels(node).items() if not k.startswith("node-health/")}, taints, kept
 
 
+@pytest.mark.system
 def test_cleanup_removes_only_ours_and_releases_the_budget(
     double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -114,6 +115,7 @@ def test_cleanup_removes_only_ours_and_releases_the_budget(
     assert code == 0 and lines[:3] == [f"node gpu-{i}: nothing to remove" for i in (1, 2, 3)], "idempotent"
 
 
+@pytest.mark.system
 def test_dry_run_changes_nothing(double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = [double.node(f"gpu-{i}") for i in (1, 2, 3)]
     code, lines, _ = run(capsys, "--all-nodes", "--dry-run", "--config", str(cluster))
@@ -124,6 +126,7 @@ def test_dry_run_changes_nothing(double: ApiDouble, cluster: Path, capsys: pytes
     assert [double.node(f"gpu-{i}") for i in (1, 2, 3)] == before
 
 
+@pytest.mark.system
 def test_one_node_and_its_slot_only(double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, lines, _ = run(capsys, "--node", "gpu-1", "--config", str(cluster))
     assert code == 0
@@ -133,6 +136,7 @@ def test_one_node_and_its_slot_only(double: ApiDouble, cluster: Path, capsys: py
     assert double.node("gpu-3")["spec"]["taints"] == [OUR_SOFT], "another node is not touched"
 
 
+@pytest.mark.system
 def test_a_conflict_is_redone_on_the_new_version(
     double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -152,6 +156,7 @@ def test_a_conflict_is_redone_on_the_new_version(
     assert [w.status for w in double.writes if w.path == "/api/v1/nodes/gpu-1"] == [409, 200]
 
 
+@pytest.mark.system
 def test_api_errors_are_reported_and_exit_1_after_the_rest_is_done(
     double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -168,6 +173,7 @@ def test_api_errors_are_reported_and_exit_1_after_the_rest_is_done(
     assert code == 1 and lines == ['node no-such-node: HTTP 404 Not Found nodes "no-such-node" not found']
 
 
+@pytest.mark.system
 def test_usage_errors_exit_2(cluster: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as both:
         main(["cleanup", "--node", "a", "--all-nodes"])
@@ -181,6 +187,7 @@ def test_usage_errors_exit_2(cluster: Path, capsys: pytest.CaptureFixture[str], 
     assert code == 2 and "kubernetes.key_prefix" in err
 
 
+@pytest.mark.system
 def test_no_credentials_exit_1(
     cluster: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,6 +197,7 @@ def test_no_credentials_exit_1(
     assert "cannot load Kubernetes credentials" in err
 
 
+@pytest.mark.system
 def test_the_command_line_entry_point(double: ApiDouble, cluster: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

@@ -3,6 +3,7 @@ are listed in the message), False carries the worst failing reason, Unknown says
 
 from __future__ import annotations
 
+import pytest
 from support.kube_double import ApiDouble
 from support.kube_helpers import Clock, all_ok, conditions, finding, health_state, make_agent
 
@@ -21,6 +22,7 @@ def clock_checks(state: HealthState, sync: tuple[str, str] = ("ok", ""), ntp: tu
     state.record("time", [finding("time.sync", *sync), finding("time.ntp", *ntp)])
 
 
+@pytest.mark.system
 def test_warming_up_warn_fail_unknown_and_back(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")
@@ -74,6 +76,7 @@ def test_warming_up_warn_fail_unknown_and_back(double: ApiDouble) -> None:
     ]
 
 
+@pytest.mark.system
 def test_a_true_condition_never_carries_a_problem_reason(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")

@@ -47,6 +47,7 @@ def test_label_selectors() -> None:
     assert not label_selector_matches("gpu", labels)
 
 
+@pytest.mark.system
 def test_real_client_conflicts_faults_and_cas(double: ApiDouble) -> None:
     double.add_node("n1", labels={"pool": "accel"})
     double.add_node("n2", labels={"pool": "cpu"})

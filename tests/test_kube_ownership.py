@@ -67,6 +67,7 @@ def double() -> Iterator[ApiDouble]:
     initial_conditions=st.lists(foreign_condition, max_size=3),
     steps=st.lists(step, min_size=1, max_size=5),
 )
+@pytest.mark.system
 def test_foreign_state_survives_every_operation(
     double: ApiDouble,
     initial_labels: dict[str, str],
@@ -158,6 +159,7 @@ def _racer(
     return before_write
 
 
+@pytest.mark.system
 def test_concurrent_foreign_writer_causes_conflicts_that_lose_nothing(double: ApiDouble) -> None:
     """A real concurrent writer (another controller's loop) against the agent flipping a taint."""
     name = f"race-{next(_names)}"

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from support.kube_double import ApiDouble, Request
 from support.kube_helpers import BUDGET_NS, Clock, health_state, make_agent, our_taints, record
@@ -73,6 +74,7 @@ def assert_least_privilege(used: dict[Call, set[tuple[str, str]]], path: Path, n
             assert names is None or name in names, (call, name, names)
 
 
+@pytest.mark.system
 def test_the_agents_role_is_exactly_what_it_calls(double: ApiDouble) -> None:
     clock = Clock()
     for name in ("a", "b", "c"):
@@ -110,6 +112,7 @@ def test_the_agents_role_is_exactly_what_it_calls(double: ApiDouble) -> None:
     assert_least_privilege(used, REPO / "deploy" / "rbac.yaml", BUDGET_NS)
 
 
+@pytest.mark.system
 def test_the_cleanup_jobs_role_is_exactly_what_cleanup_calls(double: ApiDouble, monkeypatch: Any) -> None:
     monkeypatch.setenv("POD_NAMESPACE", BUDGET_NS)
     double.add_node(

@@ -39,6 +39,7 @@ def node_writes(double: ApiDouble, node: str) -> int:
     return len(double.node_writes(node))
 
 
+@pytest.mark.system
 def test_failing_check_taints_after_threshold_and_clears_after_recovery(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1", labels={"team": "ml"}, taints=[FOREIGN_TAINT], conditions=[FOREIGN_CONDITION])
@@ -102,6 +103,7 @@ def test_failing_check_taints_after_threshold_and_clears_after_recovery(double: 
     assert agent.status()["errors"] == {}
 
 
+@pytest.mark.system
 def test_effect_per_reason_and_disabled_reasons(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")
@@ -139,6 +141,7 @@ def test_effect_per_reason_and_disabled_reasons(double: ApiDouble) -> None:
     assert conditions(node)["NPUHealthy"]["status"] == "True"
 
 
+@pytest.mark.system
 def test_restart_does_not_flap(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1", taints=[FOREIGN_TAINT])
@@ -182,6 +185,7 @@ def test_restart_does_not_flap(double: ApiDouble) -> None:
     assert our_taints(double.node("n1")) == {}
 
 
+@pytest.mark.system
 def test_stale_results_keep_the_taint_and_say_unknown(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")
@@ -200,6 +204,7 @@ def test_stale_results_keep_the_taint_and_say_unknown(double: ApiDouble) -> None
     assert conditions(node)["StorageHealthy"]["reason"] == "Stale"
 
 
+@pytest.mark.system
 def test_removed_checks_are_garbage_collected(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1", labels={"keep": "me"}, taints=[FOREIGN_TAINT], conditions=[FOREIGN_CONDITION])
@@ -226,6 +231,7 @@ def test_removed_checks_are_garbage_collected(double: ApiDouble) -> None:
     assert "NPUHealthy" not in conditions(double.node("n1"))
 
 
+@pytest.mark.system
 def test_dry_run_writes_nothing(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")
@@ -245,6 +251,7 @@ def test_dry_run_writes_nothing(double: ApiDouble) -> None:
     assert samples["nodehealth_kube_dry_run_pending_writes"] >= 3
 
 
+@pytest.mark.system
 def test_finding_events_are_emitted_once_per_distinct_event(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")
@@ -267,6 +274,7 @@ def test_finding_events_are_emitted_once_per_distinct_event(double: ApiDouble) -
     ]
 
 
+@pytest.mark.system
 def test_write_economy_per_transition_and_per_hour(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")
@@ -312,6 +320,7 @@ def test_write_economy_per_transition_and_per_hour(double: ApiDouble) -> None:
     assert condition["lastTransitionTime"] < condition["lastHeartbeatTime"]
 
 
+@pytest.mark.system
 def test_the_heartbeat_repairs_drift(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1", taints=[FOREIGN_TAINT])
@@ -341,6 +350,7 @@ def test_the_heartbeat_repairs_drift(double: ApiDouble) -> None:
     assert foreign_taints(node) == [FOREIGN_TAINT]
 
 
+@pytest.mark.system
 def test_api_faults_back_off_and_converge(double: ApiDouble) -> None:
     double.add_node("n1", taints=[FOREIGN_TAINT])
     state = HealthState("n1", fail_threshold=1, recovery_threshold=1)
@@ -384,6 +394,7 @@ def test_api_faults_back_off_and_converge(double: ApiDouble) -> None:
         agent.stop()
 
 
+@pytest.mark.system
 def test_load_api_client_from_kubeconfig(double: ApiDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     double.add_node("n1")
     kubeconfig = tmp_path / "kubeconfig"

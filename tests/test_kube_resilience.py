@@ -25,6 +25,7 @@ def event_errors(agent: object) -> dict[str, float]:
     return {s.labels["kind"]: s.value for s in samples if s.name == "nodehealth_kube_event_errors_total" and s.value}
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(("status", "kind"), [(403, "forbidden"), (404, "not_found")])
 def test_a_refused_event_is_dropped_and_never_holds_back_a_taint(double: ApiDouble, status: int, kind: str) -> None:
     clock = Clock()
@@ -50,6 +51,7 @@ def test_a_refused_event_is_dropped_and_never_holds_back_a_taint(double: ApiDoub
     assert event_errors(agent) == {kind: 2.0}
 
 
+@pytest.mark.system
 def test_an_event_the_api_cannot_take_now_waits_on_its_own_backoff(double: ApiDouble) -> None:
     clock = Clock()
     double.add_node("n1")
@@ -116,6 +118,7 @@ def test_node_name_must_match_node_name_from_the_downward_api(
     assert parse_config({"node_name": "gpu-2"}).resolved_node_name == "gpu-2", "outside a pod it names the node"
 
 
+@pytest.mark.system
 def test_no_command_line_reaches_the_api(double: ApiDouble) -> None:
     secret = "--hf-token=hf_SECRETSECRET"
     clock = Clock()

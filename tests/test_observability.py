@@ -90,6 +90,7 @@ def dashboard_targets() -> list[tuple[str, dict[str, Any]]]:
 # --- alert rules -------------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_rules_file_and_prometheusrule_pass_promtool_check(tmp_path: Path) -> None:
     result = promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -130,6 +131,7 @@ def test_the_required_alerts_exist() -> None:
     assert not_ready["for"] == "10m"
 
 
+@pytest.mark.system
 def test_promtool_unit_tests_pass() -> None:
     result = promtool("test", "rules", str(UNIT_TESTS), cwd=PROMETHEUS_DIR)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -146,6 +148,7 @@ def test_every_alert_has_a_firing_and_a_not_firing_unit_test() -> None:
     assert (firing | quiet) - alerts == set(), "tests of alerts that do not exist"
 
 
+@pytest.mark.system
 def test_unit_tests_catch_a_broken_rule(tmp_path: Path) -> None:
     """The unit tests can fail: with one alert's reason misspelt and another's `for` dropped, they do."""
     groups = copy.deepcopy(rules_groups())
@@ -393,6 +396,7 @@ def without_fallback(expr: str) -> str:
     return re.sub(r"\s+or\s+vector\(0\)\s*$", "", expr)
 
 
+@pytest.mark.system
 def test_agent_metrics_pass_promtool_lint(live: tuple[FakeNode, Prometheus]) -> None:
     node, _ = live
     text = node.metrics_text()
@@ -402,6 +406,7 @@ def test_agent_metrics_pass_promtool_lint(live: tuple[FakeNode, Prometheus]) -> 
     assert problems - NPD_COMPAT_LINT == set()
 
 
+@pytest.mark.system
 def test_every_dashboard_query_parses_and_returns_data(live: tuple[FakeNode, Prometheus]) -> None:
     node, prometheus = live
     queries = []
@@ -430,6 +435,7 @@ def test_every_dashboard_query_parses_and_returns_data(live: tuple[FakeNode, Pro
     assert failures == {}, f"agent status: {json.dumps(node.status()['findings'])[:3000]}"
 
 
+@pytest.mark.system
 def test_dashboard_variables_list_the_cluster_job_and_node(live: tuple[FakeNode, Prometheus]) -> None:
     node, prometheus = live
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
@@ -453,6 +459,7 @@ def alerts_now(prometheus: Prometheus) -> list[dict[str, Any]]:
     return list(answer["data"]["alerts"])
 
 
+@pytest.mark.system
 def test_rules_evaluate_in_prometheus_and_a_fatal_aer_error_fires(live: tuple[FakeNode, Prometheus]) -> None:
     node, prometheus = live
     answer = prometheus.api("rules")
@@ -512,6 +519,7 @@ def wait_for_data(prometheus: Prometheus, expr: str, seconds: float = 30.0) -> l
         time.sleep(0.5)
 
 
+@pytest.mark.system
 def test_job_variable_keeps_node_problem_detectors_series_out(live: tuple[FakeNode, Prometheus]) -> None:
     node, prometheus = live
     shared = [
@@ -532,6 +540,7 @@ def test_job_variable_keeps_node_problem_detectors_series_out(live: tuple[FakeNo
         assert NPD_REASON in reasons, f"{title}: the node-problem-detector stand-in was not scraped"
 
 
+@pytest.mark.system
 def test_documented_join_queries_return_data(live: tuple[FakeNode, Prometheus]) -> None:
     _, prometheus = live
     text = OBSERVABILITY_DOC.read_text()
@@ -552,6 +561,7 @@ def sample_names(metrics_text: str) -> set[str]:
     return {name.removesuffix("_created") for name in names}
 
 
+@pytest.mark.system
 def test_core_metrics_are_the_documented_ones(live: tuple[FakeNode, Prometheus]) -> None:
     node, _ = live
     text = OBSERVABILITY_DOC.read_text()

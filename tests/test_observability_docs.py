@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from support.system import REPO, require_tool
 
@@ -127,6 +128,7 @@ def test_every_runbook_link_resolves_for_every_reason_the_alert_carries() -> Non
                 assert anchor == rule["alert"].lower(), f"{rule['alert']}: links another alert's section"
 
 
+@pytest.mark.system
 def test_render_with_a_runbook_base_makes_every_link_absolute(tmp_path: Path) -> None:
     for extra in ([], ["--rules-file"]):
         result = subprocess.run(
@@ -165,6 +167,7 @@ def test_alert_table_says_what_the_rules_say() -> None:
             assert f"\n### {rule['alert']}\n" in text, rule["alert"]
 
 
+@pytest.mark.system
 def test_documented_scrape_config_passes_promtool_and_adds_the_podmonitors_labels(tmp_path: Path) -> None:
     """docs/observability.md's scrape config for Prometheus without the Operator: valid, same labels."""
     block = re.search(r"```yaml\n(# prometheus.yml\n.*?)```", OBSERVABILITY.read_text(), re.S)

@@ -484,6 +484,7 @@ PORT_OVERRIDE = """patches:
 """
 
 
+@pytest.mark.system
 def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path) -> None:
     assert all("hostPort" not in port for port in agent_ports(kustomize(REPO / "deploy"))), "opt-in only"
     docs = kustomize(overlay(tmp_path / "host-port", [HOST_PORT_COMPONENT]))
@@ -501,6 +502,7 @@ def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path
     assert "deploy/components/host-port" in docs_page and str(port["hostPort"]) in docs_page
 
 
+@pytest.mark.system
 def test_host_port_is_changed_by_a_patch_after_the_component(tmp_path: Path) -> None:
     docs = kustomize(overlay(tmp_path / "other-port", [HOST_PORT_COMPONENT], PORT_OVERRIDE))
     (port,) = agent_ports(docs)

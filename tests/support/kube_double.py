@@ -54,6 +54,7 @@ from support.kube_semantics import (
     strategic_merge,
     validate_object,
 )
+from support.system import assert_system_test
 
 __all__ = [
     "ApiDouble",
@@ -602,6 +603,7 @@ _REASONS = {
 
 @contextlib.contextmanager
 def running_double() -> Iterator[ApiDouble]:
+    assert_system_test("the Kubernetes API double (a server on 127.0.0.1)")
     double = ApiDouble().start()
     try:
         yield double

@@ -25,6 +25,8 @@ from typing import Any
 from dnslib import QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
+from support.system import assert_system_test
+
 LOOPBACK = "127.0.0.1"
 NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900-01-01 to 1970-01-01
 
@@ -63,6 +65,7 @@ class ZoneResolver(BaseResolver):
 
 class DnsTestServer:
     def __init__(self, resolver: ZoneResolver, address: str = LOOPBACK, port: int = 0) -> None:
+        assert_system_test("DnsTestServer (a server or namespace of the test's own)")
         quiet = DNSLogger(log="-request,-reply,-truncated,-error,-recv,-send,-data", logf=lambda _msg: None)
         self._server = DNSServer(resolver, address=address, port=port, logger=quiet)
         self.host: str = address
@@ -117,6 +120,7 @@ class SntpTestServer:
         host: str = LOOPBACK,
         port: int = 0,
     ) -> None:
+        assert_system_test("SntpTestServer (a server or namespace of the test's own)")
         self.skew = skew
         self.stratum = stratum
         self.leap = leap
@@ -179,6 +183,7 @@ class TcpAcceptServer:
     """Accepts TCP connections and closes them (a plain port that is open)."""
 
     def __init__(self) -> None:
+        assert_system_test("TcpAcceptServer (a server or namespace of the test's own)")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((LOOPBACK, 0))
@@ -209,6 +214,7 @@ class SilentTcpServer:
     request to it hangs until the client gives up (a server or middlebox that swallows the traffic)."""
 
     def __init__(self) -> None:
+        assert_system_test("SilentTcpServer (a server or namespace of the test's own)")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((LOOPBACK, 0))
@@ -306,6 +312,7 @@ class HttpTestServer:
     def __init__(
         self, statuses: dict[str, int], tls: tuple[Path, Path] | None = None, delays: dict[str, float] | None = None
     ) -> None:
+        assert_system_test("HttpTestServer (a server or namespace of the test's own)")
         self._server = _QuietHttpServer((LOOPBACK, 0), _StatusHandler)
         self._server.statuses = statuses  # type: ignore[attr-defined]
         self._server.delays = delays or {}  # type: ignore[attr-defined]
@@ -373,6 +380,7 @@ class ConnectProxy:
     """An HTTP CONNECT proxy that tunnels to 127.0.0.1:<routes[host]> and answers 403 for other hosts."""
 
     def __init__(self, routes: dict[str, int]) -> None:
+        assert_system_test("ConnectProxy (a server or namespace of the test's own)")
         self._server = _ThreadingTcp((LOOPBACK, 0), _ConnectHandler)
         self._server.routes = routes  # type: ignore[attr-defined]
         self.port: int = self._server.server_address[1]
@@ -392,6 +400,7 @@ class Netns:
     """A network namespace created for a test (`ip netns add`), deleted by close()."""
 
     def __init__(self, prefix: str = "nhtest") -> None:
+        assert_system_test("Netns (a server or namespace of the test's own)")
         self.name = f"{prefix}{os.getpid()}_{time.monotonic_ns() % 1_000_000}"
         self.ip("netns", "add", self.name, netns=False)
         self.path = f"/run/netns/{self.name}"

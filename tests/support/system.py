@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -21,9 +22,25 @@ FIXTURES = REPO / "tests" / "fixtures"
 
 SYSTEM_TESTS_REQUIRED = os.environ.get("NODE_HEALTH_SYSTEM_TESTS", "") == "required"
 
+# Set by conftest before each test: whether it carries @pytest.mark.system. A test that asks for a system
+# capability without the marker fails, so `pytest -m "not system"` (the fast tier) never needs one.
+_current_test_is_system = True
+
+
+def set_current_test_system(marked: bool) -> None:
+    global _current_test_is_system
+    _current_test_is_system = marked
+
+
+def assert_system_test(what: str) -> None:
+    """Fail a test that uses `what` (root, a tool, FUSE, a server) without @pytest.mark.system."""
+    if not _current_test_is_system:
+        pytest.fail(f"this test uses {what}: mark it @pytest.mark.system", pytrace=False)
+
 
 def require(condition: bool, what: str) -> None:
     """Skip (locally) or fail (CI) when a capability the test needs is missing."""
+    assert_system_test(what)
     if condition:
         return
     if SYSTEM_TESTS_REQUIRED:
@@ -36,8 +53,10 @@ def require_root() -> None:
 
 
 def require_tool(name: str) -> str:
-    path = shutil.which(name)
-    require(path is not None, f"{name} on PATH")
+    """A tool on PATH, or beside this interpreter (a venv's bin/ when the tests run as venv/bin/python -m
+    pytest without the venv on PATH)."""
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    require(path is not None, f"{name} on PATH or beside {sys.executable}")
     return path or ""
 
 

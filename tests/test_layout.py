@@ -1,0 +1,272 @@
+"""The layout holds: probes/ is a lower layer, imports have no cycle, reasons are declared and documented,
+adding a probe is one file, and the config keys and defaults of 0.1 still stand."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from support.system import REPO
+
+from agent.config import default_config_yaml
+from agent.reference import sync
+from probes import all_families, all_probes
+from probes.base import (
+    Check,
+    Probe,
+    ProbeContext,
+    ProbeOutput,
+    Reason,
+    Status,
+    UndeclaredReason,
+    family_of,
+)
+
+PACKAGES = ("agent", "probes")
+
+
+def python_files(*roots: str) -> Iterator[Path]:
+    for root in roots:
+        yield from sorted((REPO / root).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any level (lazy imports count: they run too)."""
+    tree = ast.parse(path.read_text())
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_probes_import_nothing_from_agent() -> None:
+    offenders = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in python_files("probes")
+        for name in imported_modules(path)
+        if name == "agent" or name.startswith("agent.")
+    ]
+    assert offenders == []
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    modules = {module_name(path): path for path in python_files(*PACKAGES)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in imported_modules(path) if m in modules and m != name}
+    # The probes package's __init__ imports its modules dynamically (discovery), never statically.
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*trail[trail.index(nxt) :], nxt] if nxt in trail else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == [], " ; ".join(" → ".join(c) for c in cycles)
+
+
+def test_every_probe_belongs_to_a_family_whose_docs_page_exists() -> None:
+    for name, cls in all_probes().items():
+        family = family_of(cls)
+        assert family is not None, f"probe {name} ({cls.__module__}) is in no family"
+        assert (REPO / family.doc).is_file(), f"{family.doc} missing"
+        head = name.split(".")[0]
+        path = Path(sys.modules[cls.__module__].__file__ or "")
+        expected = (REPO / "probes" / head / (name.split(".", 1)[1] + ".py" if "." in name else f"{head}.py")).resolve()
+        assert path.resolve() == expected, f"probe {name} lives in {path}, its name says {expected}"
+
+
+def test_every_probe_declares_reasons_and_the_docs_carry_them() -> None:
+    for name, cls in all_probes().items():
+        assert cls.reasons, f"probe {name} declares no reasons"
+        for reason in cls.reasons:
+            assert reason.meaning and reason.code[:1].isupper(), f"{name}: {reason}"
+            assert len(reason.code) <= 63, f"{name}: {reason.code} is too long for a taint value"
+    assert sync(REPO, write=False) == [], "run: python -m agent.reference --write"
+
+
+def test_an_undeclared_reason_raises_in_strict_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    declared = Reason("Declared", Status.WARN, "a declared reason")
+    check = Check("host.test")
+
+    class Sloppy(Probe):
+        name = "test.sloppy"
+        checks = ("host.test",)
+        reasons = (declared,)
+        emit = declared
+        status: Status | None = None
+
+        def run(self, ctx: ProbeContext) -> ProbeOutput:
+            return [check.report(self.emit, "", "message", status=self.status)]
+
+    ctx = ProbeContext(None, None, 1.0)  # type: ignore[arg-type]
+    monkeypatch.setenv("NODE_HEALTH_STRICT_REASONS", "1")
+    assert Sloppy().run(ctx)[0].reason == "Declared"
+    Sloppy.emit = Reason("Surprise", Status.FAIL, "never declared")
+    with pytest.raises(UndeclaredReason, match="Surprise"):
+        Sloppy().run(ctx)
+    Sloppy.emit, Sloppy.status = declared, Status.FAIL
+    with pytest.raises(UndeclaredReason, match="declared only as"):
+        Sloppy().run(ctx)
+    monkeypatch.setenv("NODE_HEALTH_STRICT_REASONS", "0")
+    assert Sloppy().run(ctx)[0].status == Status.FAIL, "in production the finding is kept, never dropped"
+
+
+def test_probe_modules_stay_small() -> None:
+    too_long: list[str] = []
+    for path in python_files("probes"):
+        lines = path.read_text().splitlines()
+        if len(lines) > 650:
+            too_long.append(f"{path.relative_to(REPO)}: {len(lines)} lines")
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 70:
+                    too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert too_long == []
+
+
+# --- config: the keys and defaults of 0.1 ------------------------------------------------------------
+
+# Defaults changed on purpose since 0.1, each for a reason the docs give.
+CHANGED_DEFAULTS = {
+    # The pod's resolver serves cluster names; no cluster domain is hard-coded (docs/probes/network.md).
+    ("network", "dns", "cluster_names"): ["kubernetes.default.svc"],
+}
+
+
+def flatten(data: object, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    """Key paths → values; list items that are mappings are walked too (a key added to them is an addition)."""
+    if isinstance(data, dict) and data:
+        out: dict[tuple[str, ...], object] = {}
+        for key, value in data.items():
+            out.update(flatten(value, (*prefix, str(key))))
+        return out
+    if isinstance(data, list) and data and all(isinstance(item, dict) for item in data):
+        out = {(*prefix, "#len"): len(data)}
+        for index, item in enumerate(data):
+            out.update(flatten(item, (*prefix, f"[{index}]")))
+        return out
+    return {prefix: data}
+
+
+def test_config_defaults_keep_every_key_and_value_of_0_1() -> None:
+    old = flatten(yaml.safe_load((REPO / "tests" / "data" / "defaults-0.1.yaml").read_text()))
+    new = flatten(yaml.safe_load(default_config_yaml(all_probes())))
+    for key, value in old.items():
+        assert key in new, f"config key {'.'.join(key)} is gone"
+        expected = CHANGED_DEFAULTS.get(key, value)
+        assert new[key] == expected, f"{'.'.join(key)}: {new[key]!r}, was {value!r}"
+
+
+def test_every_family_section_is_assembled() -> None:
+    sections = set(yaml.safe_load(default_config_yaml(all_probes())))
+    assert set(all_families()) <= sections
+
+
+# --- adding a probe is one file ----------------------------------------------------------------------
+
+EXAMPLE = '''\
+"""An example family of one module: its config, its reasons and its probe, all here."""
+
+from __future__ import annotations
+
+from probes.base import Check, Family, Probe, ProbeContext, ProbeOutput, Reason, Section, Status, register
+from probes.base import register_family
+
+
+class ExampleConfig(Section):
+    greeting: str = "hello"
+    threshold: int = 3
+
+
+FAMILY = register_family(
+    Family(key="example", module=__name__, config=ExampleConfig, title="Example", doc="docs/probes/example.md")
+)
+EXAMPLE_CHECK = Check("example.greeting", category="host")
+TOO_QUIET = Reason("ExampleTooQuiet", Status.WARN, "the greeting is empty", "set example.greeting")
+
+
+@register
+class ExampleProbe(Probe):
+    name = "example"
+    checks = ("example.greeting",)
+    reasons = (TOO_QUIET,)
+    default_interval = 42.0
+
+    def run(self, ctx: ProbeContext) -> ProbeOutput:
+        settings = ctx.settings(ExampleConfig)
+        if not settings.greeting:
+            return [EXAMPLE_CHECK.report(TOO_QUIET, "", "nothing to say")]
+        return [EXAMPLE_CHECK.ok("", f"{settings.greeting} x{settings.threshold}")]
+'''
+
+
+@pytest.fixture(scope="module")
+def tree_with_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dropin")
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "probes" / "example.py").write_text(EXAMPLE)
+    return root
+
+
+def run_cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_dropped_in_probe_file_is_listed_checked_and_configured(tree_with_example: Path, tmp_path: Path) -> None:
+    listed = run_cli(tree_with_example, "probes")
+    assert listed.returncode == 0, listed.stderr
+    assert "example\n  checks:   example.greeting" in listed.stdout
+    reasons = run_cli(tree_with_example, "probes", "--reasons")
+    assert "ExampleTooQuiet" in reasons.stdout
+    defaults = run_cli(tree_with_example, "config", "--defaults")
+    data = yaml.safe_load(defaults.stdout)
+    assert data["example"] == {"greeting": "hello", "threshold": 3}
+    assert data["probes"]["example"]["interval_seconds"] == 42.0
+    config = tmp_path / "config.yaml"
+    config.write_text(textwrap.dedent("example: {greeting: ''}\n"))
+    checked = run_cli(tree_with_example, "check", "--only", "example", "--config", str(config))
+    assert checked.returncode == 0, checked.stdout + checked.stderr  # a warn does not block readiness
+    assert "ExampleTooQuiet" in checked.stdout and "example.greeting" in checked.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("example: {threshold: many}\n")
+    refused = run_cli(tree_with_example, "check", "--only", "example", "--config", str(bad))
+    assert refused.returncode == 2 and "example.threshold" in refused.stderr
