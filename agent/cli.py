@@ -1,13 +1,14 @@
-"""node-health command line: check, run, probes, config, diagnose."""
+"""node-health command line: check, run, probes, config, diagnose, cleanup."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from agent.config import Config, ConfigError, default_config_yaml, load_config
 from agent.daemon import build_state, instantiate, run_daemon
@@ -28,14 +29,22 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse exits 2 too; keep its message on stderr
+    def error(self, message: str) -> NoReturn:  # argparse exits 2 too; keep its message on stderr
         self.print_usage(sys.stderr)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("node-health")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="node-health", description="Node health-check agent for accelerator nodes.")
+    parser.add_argument("--version", action="version", version=f"node-health {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = sub.add_parser("check", help="run every probe once and print the result")
@@ -57,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose = sub.add_parser("diagnose", help="py-spy stack dump of a stuck process, classified")
     diagnose.add_argument("pid", help="process id")
     diagnose.add_argument("--json", action="store_true", help="print JSON")
+
+    cleanup = sub.add_parser(
+        "cleanup", help="remove the agent's taints, labels and conditions and release budget slots (uninstall)"
+    )
+    cleanup.add_argument("--config", metavar="FILE", help="YAML config file (key_prefix, budget, kubeconfig)")
+    which = cleanup.add_mutually_exclusive_group()
+    which.add_argument("--node", metavar="NAME", help="this node (default: node_name, $NODE_NAME, the hostname)")
+    which.add_argument("--all-nodes", action="store_true", help="every node of the cluster")
+    cleanup.add_argument("--dry-run", action="store_true", help="print what would be removed, change nothing")
     return parser
 
 
@@ -170,6 +188,15 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return main_diagnose(pid, args.json)
 
 
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    if args.node is not None and not args.node.strip():
+        raise UsageError("cleanup: --node needs a node name")
+    config = load_config(args.config, all_probes())
+    from agent.kube.cleanup import main_cleanup  # the kubernetes client is heavy: only when used
+
+    return main_cleanup(config, args.node, args.all_nodes, args.dry_run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("text", "warning" if args.command != "run" else "info")
@@ -182,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_config(args)
         if args.command == "diagnose":
             return cmd_diagnose(args)
+        if args.command == "cleanup":
+            return cmd_cleanup(args)
         if args.command == "run":
             config = load_config(args.config, all_probes())
             configure_logging(config.logging.format, config.logging.level)

@@ -8,10 +8,10 @@ import resource
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from agent.config import Config, ConfigError, load_config
+from agent.configfile import ConfigFileError, read_bounded
 from agent.http import HttpServer
 from agent.logs import configure_logging
 from agent.metrics import MetricsRenderer
@@ -67,9 +67,11 @@ class ConfigWatcher:
         if self.path is None:
             return None
         try:
-            return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()
-        except OSError:
-            return None
+            return hashlib.sha256(read_bounded(self.path)).hexdigest()
+        except ConfigFileError as exc:
+            # Still a change: a file that became unreadable or oversized must reach reload() and be rejected
+            # (and counted), not be ignored.
+            return f"unreadable: {exc}"
 
     def changed(self) -> bool:
         current = self._read()
@@ -109,6 +111,7 @@ class Agent:
             port=config.http.port,
             max_wait=config.http.max_wait_seconds,
         )
+        self.metrics.collector.add_source(self.http.samples)
         self._stop = threading.Event()
         self._reload_requested = threading.Event()
         self._watcher = ConfigWatcher(config_path)
@@ -198,7 +201,9 @@ class Agent:
     def reload(self, why: str) -> bool:
         try:
             config = load_config(self.config_path, self.probe_classes)
-        except ConfigError as exc:
+        except Exception as exc:  # whatever a bad ConfigMap does, the running config stays
+            if not isinstance(exc, ConfigError):
+                log.exception("config reload (%s) failed unexpectedly", why)
             self.reloads["error"] += 1
             self.last_reload_error = str(exc)
             log.error("config reload (%s) rejected, keeping the running config: %s", why, exc)

@@ -6,26 +6,83 @@ that budget in routing, middleware and request objects; this server answers a ca
 from `data_received`, and only a handler that must wait (a long-poll) costs a task.
 
 Scope, deliberately: GET and HEAD; no request bodies (a GET carries none; anything with a body is refused);
-keep-alive and pipelining; limits on header size, pipelined requests, connections and idle time.
+keep-alive and pipelining.
+
+The port is reachable by every pod of the cluster, so every cost a client can cause is bounded (`Limits`):
+connections in all and per peer address (with a reserve so the node itself and new peers still get in),
+the time to send a request head, the time a client may leave its answers unread, unparsed input per
+connection, and one pipelined request per connection per loop turn, so one client cannot starve the others.
+Errors of the loop itself (accept failing at the fd limit) are logged at a bounded rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
+import resource
+import socket
+import struct
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import parse_qs, unquote
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024
-MAX_PIPELINED = 64
-IDLE_TIMEOUT_SECONDS = 75.0
-MAX_CONNECTIONS = 4096
+MAX_QUERY_FIELDS = 16
+# File descriptors left to the rest of the agent (probes, children, files) when the connection limit is
+# derived from RLIMIT_NOFILE.
+FD_RESERVE = 256
+
+
+def _fd_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def default_backlog(fd_limit: int | None = None) -> int:
+    """The listen queue absorbs connection bursts; asyncio also accepts up to this many sockets in one loop
+    turn, so it is part of the fd budget: 1024, less where the fd limit is low."""
+    fd_limit = _fd_limit() if fd_limit is None else fd_limit
+    return max(64, min(1024, (fd_limit - FD_RESERVE) // 4))
+
+
+def default_max_connections(fd_limit: int | None = None) -> int:
+    """At most 4096, and always below the fd limit: accept() failing with EMFILE would stop all answers."""
+    fd_limit = _fd_limit() if fd_limit is None else fd_limit
+    return max(16, min(4096, fd_limit - FD_RESERVE - default_backlog(fd_limit)))
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = field(default_factory=default_max_connections)
+    max_per_peer: int = 64  # one address (one pod) cannot hold more
+    # Local peers (loopback, or the address the client connected to: the node talking to itself) may go this
+    # far beyond max_connections, and are not held to max_per_peer.
+    local_reserve: int = 32
+    # The last slots below max_connections go only to peers that hold no connection yet.
+    new_peer_reserve: int = 64
+    head_timeout: float = 10.0  # from connecting (or the first byte of a later request) to a complete head
+    idle_timeout: float = 75.0  # keep-alive between requests
+    send_timeout: float = 10.0  # answers left unread this long: the connection is dropped
+    linger: float = 2.0  # a closed connection whose last bytes cannot be delivered is dropped after this
+    max_buffered: int = 64 * 1024  # unparsed input held per connection; reading pauses beyond it
+    # Queued answer bytes beyond which a connection pauses (reading too). 0: the next answer is written only
+    # once the last one has gone to the kernel, so a client that never reads pins at most one answer.
+    write_high_water: int = 0
+    backlog: int = field(default_factory=default_backlog)
+    send_buffer: int = 64 * 1024  # SO_SNDBUF: bounds the kernel memory a client that never reads pins
+    sweep_every: float = 1.0
+    log_every: float = 10.0  # loop errors of one kind: one log line per this many seconds
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_per_peer < 1:
+            raise ValueError("connection limits must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -37,8 +94,9 @@ class Request:
 
     @property
     def query(self) -> dict[str, list[str]]:
-        """Query parameters; a parameter given twice keeps both values (callers reject that)."""
-        return parse_qs(self.query_string, keep_blank_values=True, strict_parsing=False)
+        """Query parameters; a parameter given twice keeps both values (callers reject that). Raises
+        ValueError beyond MAX_QUERY_FIELDS fields, so a request cannot make the loop parse thousands."""
+        return parse_qs(self.query_string, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -60,10 +118,7 @@ class BadRequest(Exception):
 
 def parse_head(head: bytes) -> tuple[Request, bool, bool]:
     """One request head (without the blank line) → (request, keep_alive, has_body)."""
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        raise BadRequest(400, "undecodable request") from None
+    text = head.decode("latin-1")  # decodes every byte
     lines = text.split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -114,93 +169,168 @@ def encode_response(response: Response, keep_alive: bool, head_only: bool) -> by
     return b"".join(parts)
 
 
-def error_response(status: int, message: str) -> Response:
-    body = ('{"error": "' + message.replace("\\", "\\\\").replace('"', '\\"') + '"}').encode()
-    return Response(status, body)
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """Always valid JSON: json.dumps escapes quotes, backslashes and control bytes a client put in a path."""
+    return Response(status, json.dumps({"error": message}).encode(), headers=headers or {})
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+
+
+def is_local_peer(peer: str, local: str) -> bool:
+    """A client connecting from the very address it connected to: the pod or node talking to itself (over
+    loopback, or over the node's address when the agent shares the host network), as kubelet does."""
+    return bool(peer) and peer == local
 
 
 class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServerCore) -> None:
         self._server = server
+        self._limits = server.limits
         self._transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.admitted = False
         self._buffer = b""
-        self._queue: deque[tuple[Request, bool]] = deque()
-        self._busy = False  # a handler is awaiting (long-poll): later requests wait their turn
-        self._paused = False  # the client does not read its answers: stop answering until it does
-        self._closing = False
-        self._idle: asyncio.TimerHandle | None = None
-        self._last_activity = time.monotonic()
+        self._pos = 0  # start of the unparsed input in _buffer
+        self._scanned = 0  # _buffer[_pos:_scanned] is known to hold no complete head
+        self._task: asyncio.Future[Response] | None = None  # a handler that must wait (a long-poll)
+        self._turn_pending = False
+        self._write_paused = False
+        self._read_paused = False
+        self._eof = False
+        self.closing = False
+        now = time.monotonic()
+        self._head_since = now  # a request head is due since then; 0 between requests
+        self._last_active = now
+        self._stalled_since = 0.0
+        self._closed_at = 0.0
 
     # --- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        if len(self._server.connections) >= MAX_CONNECTIONS:
+        peer = transport.get_extra_info("peername")
+        local = transport.get_extra_info("sockname")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) else ""
+        refusal = self._server.admit(self, str(local[0]) if isinstance(local, tuple) else "")
+        if refusal is not None:
+            # A short answer fits the fresh socket's buffer, so close() completes even if the peer never reads.
+            transport.write(encode_response(error_response(503, refusal, {"Retry-After": "1"}), False, False))
+            self.closing = True
             transport.close()
             return
-        self._server.connections.add(self)
-        self._arm_idle()
+        transport.set_write_buffer_limits(high=self._limits.write_high_water)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._limits.send_buffer)
+            except OSError:
+                pass
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
-        self._closing = True
-        if self._idle is not None:
-            self._idle.cancel()
+        self.closing = True
+        self._server.forget(self)
+        if self._task is not None:
+            self._task.cancel()  # the client went away: its long-poll ends now, not at its deadline
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self._write_paused = True
+        self._stalled_since = time.monotonic()
+        self._pause_reading()
 
     def resume_writing(self) -> None:
-        self._paused = False
-        self._drain()
+        self._write_paused = False
+        self._stalled_since = 0.0
+        self._resume_reading_if_room()
+        self._schedule_turn()
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self.closing:
             return
-        self._buffer += data
-        while True:
-            end = self._buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
-                    self._fail(431, "request head too large")
-                return
-            head, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
-            if end > MAX_HEAD_BYTES:
-                self._fail(431, "request head too large")
-                return
-            try:
-                request, keep_alive, has_body = parse_head(head)
-            except BadRequest as exc:
-                self._fail(exc.status, str(exc))
-                return
-            if has_body:
-                self._fail(400, "request bodies are not accepted")
-                return
-            if len(self._queue) >= MAX_PIPELINED:
-                self._fail(429, "too many pipelined requests")
-                return
-            self._queue.append((request, keep_alive))
-            self._drain()
-            if self._closing:
-                return
+        if self._pos:
+            self._buffer = self._buffer[self._pos :] + data
+            self._scanned -= self._pos
+            self._pos = 0
+        elif self._buffer:
+            self._buffer += data
+        else:
+            self._buffer = data
+        if len(self._buffer) > self._limits.max_buffered:
+            self._pause_reading()
+        if not self._turn_pending and self._task is None and not self._write_paused:
+            self._serve_next()
+
+    def eof_received(self) -> bool | None:
+        self._eof = True
+        if self._task is not None:
+            # HTTP clients do not half-close; end of input while a long-poll waits means the client left.
+            self._close()
+            return None
+        if len(self._buffer) > self._pos and not self.closing:
+            self._schedule_turn()
+            return True  # answer what was pipelined before the end, then close
+        return None
 
     # --- answering -------------------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        while self._queue and not self._busy and not self._paused and not self._closing:
-            request, keep_alive = self._queue.popleft()
-            self._last_activity = time.monotonic()
-            result = self._server.dispatch(request)
-            if not isinstance(result, Response):
-                self._busy = True
-                task = asyncio.ensure_future(result)
-                task.add_done_callback(lambda t, r=request, k=keep_alive: self._finish_async(t, r, k))
-                return
-            self._send(result, request, keep_alive)
+    def _schedule_turn(self) -> None:
+        if not self._turn_pending and not self.closing:
+            self._turn_pending = True
+            self._server.loop.call_soon(self._take_turn)
 
-    def _finish_async(self, task: asyncio.Future[Response], request: Request, keep_alive: bool) -> None:
-        self._busy = False
+    def _take_turn(self) -> None:
+        self._turn_pending = False
+        self._serve_next()
+
+    def _serve_next(self) -> None:
+        """Answer at most one request; a further pipelined one waits for the next loop turn."""
+        if self.closing or self._task is not None or self._write_paused:
+            return
+        buffer, pos = self._buffer, self._pos
+        end = buffer.find(b"\r\n\r\n", max(pos, self._scanned - 3), pos + MAX_HEAD_BYTES + 4)
+        if end < 0:
+            self._await_head(len(buffer) - pos)
+            return
+        head = buffer[pos:end]
+        self._pos = self._scanned = end + 4
+        if self._pos >= len(buffer):
+            self._buffer, self._pos, self._scanned = b"", 0, 0
+        try:
+            request, keep_alive, has_body = parse_head(head)
+        except BadRequest as exc:
+            self._fail(exc.status, str(exc))
+            return
+        if has_body:
+            self._fail(400, "request bodies are not accepted")
+            return
+        self._head_since = 0.0
+        result = self._server.dispatch(request)
+        if isinstance(result, Response):
+            self._send(result, request, keep_alive)
+            self._answered()
+            return
+        task = asyncio.ensure_future(result)
+        self._task = task
+        task.add_done_callback(functools.partial(self._finish_async, request, keep_alive))
+
+    def _await_head(self, pending: int) -> None:
+        if pending > MAX_HEAD_BYTES:
+            self._fail(431, "request head too large")
+            return
+        self._scanned = len(self._buffer)
+        if pending and not self._head_since:
+            self._head_since = time.monotonic()
+        if self._eof:
+            self._close()  # an incomplete request and nothing more will come
+        else:
+            self._resume_reading_if_room()
+
+    def _finish_async(self, request: Request, keep_alive: bool, task: asyncio.Future[Response]) -> None:
+        self._task = None
+        if self.closing:
+            return
         if task.cancelled():
             response = error_response(503, "shutting down")
         elif task.exception() is not None:
@@ -209,53 +339,177 @@ class _Connection(asyncio.Protocol):
         else:
             response = task.result()
         self._send(response, request, keep_alive)
-        self._drain()
+        self._answered()
+
+    def _answered(self) -> None:
+        self._last_active = time.monotonic()
+        if self.closing:
+            return
+        if len(self._buffer) > self._pos:
+            self._schedule_turn()
+        elif self._eof:
+            self._close()
+        else:
+            self._resume_reading_if_room()
 
     def _send(self, response: Response, request: Request, keep_alive: bool) -> None:
-        if self._transport is None or self._closing:
+        if self._transport is None or self.closing:
             return
         self._transport.write(encode_response(response, keep_alive, request.method == "HEAD"))
         if not keep_alive:
             self._close()
 
     def _fail(self, status: int, message: str) -> None:
-        if self._transport is not None and not self._closing:
+        if self._transport is not None and not self.closing:
             self._transport.write(encode_response(error_response(status, message), False, False))
         self._close()
 
     def _close(self) -> None:
-        self._closing = True
-        self._queue.clear()
+        if not self.closing:
+            self.closing = True
+            self._closed_at = time.monotonic()
+        self._buffer, self._pos, self._scanned = b"", 0, 0
+        if self._task is not None:
+            self._task.cancel()
         if self._transport is not None:
             self._transport.close()
 
-    def _arm_idle(self, delay: float = IDLE_TIMEOUT_SECONDS) -> None:
-        # One timer per connection, re-armed only when it fires: resetting a timer on every request
-        # would cost a heap operation per request on the hot path.
-        self._idle = asyncio.get_running_loop().call_later(delay, self._on_idle)
+    def unsent_bytes(self) -> int:
+        return self._transport.get_write_buffer_size() if self._transport is not None else 0
 
-    def _on_idle(self) -> None:
-        idle_for = time.monotonic() - self._last_activity
-        if self._busy or idle_for < IDLE_TIMEOUT_SECONDS:
-            self._arm_idle(max(1.0, IDLE_TIMEOUT_SECONDS - idle_for))
-        else:
+    def abort(self) -> None:
+        """Drop the connection now, unsent answers included (a reset, so the kernel frees them too)."""
+        transport = self._transport
+        self._close()
+        if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass
+            transport.abort()
+
+    def _pause_reading(self) -> None:
+        if not self._read_paused and self._transport is not None and not self.closing:
+            self._read_paused = True
+            self._transport.pause_reading()
+
+    def _resume_reading_if_room(self) -> None:
+        if (
+            self._read_paused
+            and not self._write_paused
+            and not self.closing
+            and self._transport is not None
+            and len(self._buffer) - self._pos <= self._limits.max_buffered // 2
+        ):
+            self._read_paused = False
+            self._transport.resume_reading()
+
+    # --- deadlines (checked by the server's sweep, so the request path arms no timer) -----------
+
+    def check_deadlines(self, now: float) -> None:
+        limits = self._limits
+        if self.closing:
+            if now - self._closed_at > limits.linger:
+                self.abort()
+        elif self._write_paused and now - self._stalled_since > limits.send_timeout:
+            log.debug("dropping %s: answers unread for %.0fs", self.peer, now - self._stalled_since)
+            self.abort()
+        elif self._task is not None:
+            return  # a long-poll: bounded by its own wait
+        elif self._head_since and now - self._head_since > limits.head_timeout:
+            self._fail(408, f"request head not complete within {limits.head_timeout:g}s")
+        elif not self._head_since and not self._turn_pending and now - self._last_active > limits.idle_timeout:
             self._close()
+
+
+class _RateLimitedLog:
+    """The loop's exception handler: one line per kind of error per interval, with a count of the rest."""
+
+    def __init__(self, every: float) -> None:
+        self._every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", "event loop error"))
+        now = time.monotonic()
+        last, suppressed = self._last.get(message, (-self._every, 0))
+        if now - last < self._every:
+            self._last[message] = (last, suppressed + 1)
+            return
+        if len(self._last) > 64:
+            self._last.clear()
+        self._last[message] = (now, 0)
+        exc = context.get("exception")
+        note = f" ({suppressed} more like it in the last {now - last:.0f}s)" if suppressed else ""
+        if exc is None:
+            log.error("%s%s", message, note)
+        elif isinstance(exc, OSError):
+            log.error("%s: %s%s", message, exc, note)
+        else:
+            log.error("%s%s", message, note, exc_info=exc)
 
 
 class HttpServerCore:
     """Routes by exact path; a handler returns a Response, or an awaitable of one when it must wait."""
 
-    def __init__(self, routes: dict[str, Handler]) -> None:
+    def __init__(self, routes: dict[str, Handler], limits: Limits | None = None) -> None:
         self.routes = routes
+        self.limits = limits or Limits()
         self.connections: set[_Connection] = set()
+        self.per_peer: dict[str, int] = {}
+        self.refused = 0
         self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "listen() first"
+        return self._loop
+
+    def admit(self, connection: _Connection, local: str) -> str | None:
+        """Take a new connection into account, or say why it is refused."""
+        limits, total, peer = self.limits, len(self.connections), connection.peer
+        held = self.per_peer.get(peer, 0)
+        if is_local_peer(peer, local):
+            refusal = None if total < limits.max_connections + limits.local_reserve else "too many connections"
+        elif held >= limits.max_per_peer:
+            refusal = f"too many connections from {peer} (at most {limits.max_per_peer})"
+        elif total >= limits.max_connections:
+            refusal = "too many connections"
+        elif held and total >= limits.max_connections - limits.new_peer_reserve:
+            refusal = "too many connections: the remaining ones are kept for new clients"
+        else:
+            refusal = None
+        if refusal is not None:
+            self.refused += 1
+            return refusal
+        connection.admitted = True
+        self.connections.add(connection)
+        self.per_peer[peer] = held + 1
+        return None
+
+    def forget(self, connection: _Connection) -> None:
+        if not connection.admitted:
+            return
+        connection.admitted = False
+        self.connections.discard(connection)
+        held = self.per_peer.get(connection.peer, 0) - 1
+        if held > 0:
+            self.per_peer[connection.peer] = held
+        else:
+            self.per_peer.pop(connection.peer, None)
 
     def dispatch(self, request: Request) -> Response | Awaitable[Response]:
         handler = self.routes.get(request.path)
         if handler is None:
-            return error_response(404, f"no such endpoint {request.path} (try /ready, /healthz, /metrics, /status)")
+            return error_response(
+                404, f"no such endpoint {clip(request.path, 64)} (try /ready, /healthz, /metrics, /status)"
+            )
         if request.method not in ("GET", "HEAD"):
-            return Response(405, b'{"error": "read-only: GET or HEAD"}', headers={"Allow": "GET, HEAD"})
+            return error_response(405, "read-only: GET or HEAD", {"Allow": "GET, HEAD"})
         try:
             return handler(request)
         except Exception as exc:
@@ -264,15 +518,32 @@ class HttpServerCore:
 
     async def listen(self, address: str, port: int) -> int:
         loop = asyncio.get_running_loop()
+        self._loop = loop
+        if loop.get_exception_handler() is None:
+            loop.set_exception_handler(_RateLimitedLog(self.limits.log_every))
         self._server = await loop.create_server(
-            lambda: _Connection(self), address, port, backlog=1024, reuse_address=True
+            lambda: _Connection(self), address, port, backlog=self.limits.backlog, reuse_address=True
         )
+        self._sweeper = loop.call_later(self.limits.sweep_every, self._sweep)
         return self._server.sockets[0].getsockname()[1]
 
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for connection in list(self.connections):
+            connection.check_deadlines(now)
+        self._sweeper = self.loop.call_later(self.limits.sweep_every, self._sweep)
+
     async def close(self) -> None:
+        """Stop listening and drop every connection at once: shutting down never waits for a client."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
-            connection._close()
+            connection.abort()
+        await asyncio.sleep(0)  # let connection_lost run, which cancels waiting handlers
         if self._server is not None:
-            await self._server.wait_closed()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            except asyncio.TimeoutError:
+                pass

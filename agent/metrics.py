@@ -1,8 +1,14 @@
-"""Prometheus exposition of the current snapshot. collect() only reads: it never runs a probe."""
+"""Prometheus exposition of the current snapshot. collect() only reads: it never runs a probe.
+
+The exposition is rendered once per snapshot (and at most once per `max_age` for the agent's own process
+metrics), not once per request: /metrics is reachable by every pod, and a render costs milliseconds of the
+HTTP loop that also answers /ready.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
@@ -14,6 +20,16 @@ from probes.base import Sample
 SampleSource = Callable[[], Iterable[Sample]]
 
 RUN_RESULTS = ("ok", "error", "timeout")
+CACHE_MAX_AGE_SECONDS = 1.0
+
+
+def snapshot_key(snapshot: Snapshot) -> Hashable:
+    """Identifies what a snapshot says now: its version, and which results have gone stale since it was
+    published (a wedged scheduler publishes nothing, yet staleness must show)."""
+    current = snapshot.current()
+    if current is snapshot:
+        return (snapshot.version, ())
+    return (snapshot.version, tuple(state.finding.key for state in current.checks if state.stale))
 
 
 class SnapshotCollector:
@@ -137,11 +153,29 @@ def sample_families(samples: Iterable[Sample]) -> Iterator[Metric]:
 class MetricsRenderer:
     """Owns the registry: the snapshot collector plus the agent's own process metrics."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot], sources: Iterable[SampleSource] = ()) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        sources: Iterable[SampleSource] = (),
+        max_age: float = CACHE_MAX_AGE_SECONDS,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = SnapshotCollector(snapshot, sources)
         self.registry.register(self.collector)
         self.registry.register(ProcessCollector(namespace="nodehealth_agent", registry=None))
+        self._snapshot = snapshot
+        self.max_age = max_age
+        self._cache: tuple[Hashable, float, bytes] | None = None
+        self.renders = 0
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition, re-rendered only for a new snapshot or after max_age seconds."""
+        key = snapshot_key(self._snapshot())
+        now = time.monotonic()
+        cached = self._cache
+        if cached is not None and cached[0] == key and now - cached[1] < self.max_age:
+            return cached[2]
+        body = generate_latest(self.registry)
+        self.renders += 1
+        self._cache = (key, now, body)
+        return body

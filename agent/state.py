@@ -14,7 +14,17 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from probes.base import CATEGORIES, OBSERVED_HBM_FREE_MIB, Finding, Reason, Sample, Status, category_of
+from probes.base import (
+    CATEGORIES,
+    OBSERVED_HBM_FREE_MIB,
+    OBSERVED_HOST_MEM_AVAILABLE_MIB,
+    OBSERVED_HUGEPAGES_FREE,
+    Finding,
+    Reason,
+    Sample,
+    Status,
+    category_of,
+)
 
 # Reasons the agent itself gives (not a probe): they block readiness whether the check is required or not,
 # because they say the agent cannot vouch for the node.
@@ -24,6 +34,7 @@ PROBE_TIMEOUT = "ProbeTimeout"
 PROBE_ERROR = "ProbeError"
 PARSE_ERROR = "ParseError"
 HBM_BELOW_REQUEST = "HbmBelowRequest"
+HOST_MEM_BELOW_REQUEST = "HostMemoryBelowRequest"
 ALWAYS_BLOCKING = frozenset({WARMING_UP, STALE})
 
 # The reasons the agent itself gives, documented beside the probes' own (node-health probes --reasons).
@@ -57,6 +68,15 @@ AGENT_REASONS: tuple[Reason, ...] = (
         Status.FAIL,
         "/ready?min_hbm_free_mib=N: a considered device has less free device memory than the job asked for",
         "another process holds device memory: see the device's holders (npu.holders, gpu.holders), or ask for less",
+    ),
+    Reason(
+        HOST_MEM_BELOW_REQUEST,
+        Status.FAIL,
+        "/ready?min_host_mem_mib=N or min_hugepages=N: the host has less available memory or fewer free hugepages "
+        "than the job asked for; unknown when host.memory has no current value to compare (never ready then)",
+        "stop leftovers of earlier jobs (ps aux --sort=-rss | head), or ask for less; when unknown, see the host "
+        "probe in /status",
+        also=(Status.UNKNOWN,),
     ),
 )
 
@@ -189,8 +209,20 @@ class Snapshot:
         devices: Collection[int] | None = None,
         min_hbm_free_mib: float | None = None,
         now: float | None = None,
+        *,
+        min_host_mem_mib: float | None = None,
+        min_hugepages: float | None = None,
     ) -> Verdict:
-        return evaluate(self.checks, self.required, checks, devices, min_hbm_free_mib, now or time.time())
+        return evaluate(
+            self.checks,
+            self.required,
+            checks,
+            devices,
+            min_hbm_free_mib,
+            now or time.time(),
+            min_host_mem_mib=min_host_mem_mib,
+            min_hugepages=min_hugepages,
+        )
 
     def categories(self) -> dict[str, tuple[CheckState, ...]]:
         """Check states per DESIGN category (npu, gpu, storage, network, time, host)."""
@@ -212,7 +244,7 @@ class Snapshot:
 
 
 def reason_dict(finding: Finding) -> dict[str, Any]:
-    out = {
+    out: dict[str, Any] = {
         "check": finding.check,
         "subject": finding.subject,
         "status": finding.status.value,
@@ -242,9 +274,13 @@ def evaluate(
     devices: Collection[int] | None,
     min_hbm_free_mib: float | None,
     now: float,
+    *,
+    min_host_mem_mib: float | None = None,
+    min_hugepages: float | None = None,
 ) -> Verdict:
     reasons: list[Finding] = []
     oldest = now
+    states = tuple(states)
     for state in states:
         finding = state.finding
         if checks is not None and not matches_any(finding.check, checks):
@@ -270,7 +306,33 @@ def evaluate(
                         device=finding.device,
                     )
                 )
+    if min_host_mem_mib:
+        reasons.extend(host_memory_shortfall(states, "", OBSERVED_HOST_MEM_AVAILABLE_MIB, min_host_mem_mib))
+    if min_hugepages:
+        reasons.extend(host_memory_shortfall(states, "hugepages", OBSERVED_HUGEPAGES_FREE, min_hugepages))
     return Verdict(not reasons, tuple(reasons), round(max(0.0, now - oldest), 3))
+
+
+def host_memory_shortfall(states: Iterable[CheckState], subject: str, key: str, wanted: float) -> list[Finding]:
+    """/ready?min_host_mem_mib= (subject "") and min_hugepages= (subject "hugepages"), judged against the current
+    host.memory result whatever checks= and devices= select: a job asked for this explicitly. A value that is not
+    current (never reported, stale, a failed run) fails closed as unknown."""
+    what, unit = ("available host memory", " MiB") if key == OBSERVED_HOST_MEM_AVAILABLE_MIB else ("free hugepages", "")
+    parameter = "min_host_mem_mib" if key == OBSERVED_HOST_MEM_AVAILABLE_MIB else "min_hugepages"
+    state = next((s for s in states if s.finding.key == ("host.memory", subject)), None)
+    value = None if state is None else state.finding.observed.get(key)
+    if state is None or state.stale or state.finding.status in (Status.UNKNOWN, Status.SKIP):
+        value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        why = "no host.memory result" if state is None else f"host.memory is {state.finding.reason}"
+        message = f"{what} not known ({why}), cannot vouch for {parameter}={wanted:g}"
+        hint = "see the host probe in /status" + ("" if subject == "" else "; the host may reserve no hugepages")
+        return [Finding("host.memory", subject, Status.UNKNOWN, HOST_MEM_BELOW_REQUEST, message, hint)]
+    if value >= wanted:
+        return []
+    message = f"{value:g}{unit} {what}, the job asked for {wanted:g}{unit}"
+    hint = "stop leftovers of earlier jobs (ps aux --sort=-rss | head), or ask for less"
+    return [Finding("host.memory", subject, Status.FAIL, HOST_MEM_BELOW_REQUEST, message, hint, {key: value})]
 
 
 def blocks(finding: Finding, required: Collection[str]) -> bool:

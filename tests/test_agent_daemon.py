@@ -20,19 +20,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import parse_config
 from agent.daemon import Agent
-from probes.base import Finding, Probe, ProbeContext, ProbeOutput, Sample, Status
+from probes.base import Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status
 
 CONTROL: dict[str, Any] = {"good_fails": False}
 RELEASE = threading.Event()
+
+pytestmark = pytest.mark.system
 
 
 def sleep_forever_in_child(seconds: float) -> None:
     time.sleep(seconds)
 
 
+GOOD_BROKEN = Reason("GoodBroken", Status.FAIL, "the test's good probe is told to fail", "mend good")
+MOUNT_HUNG = Reason("MountHung", Status.FAIL, "the test's child never answers", "remount", also=(Status.OK,))
+
+
 class GoodProbe(Probe):
     name = "good"
     checks = ("host.good",)
+    reasons = (GOOD_BROKEN,)
     default_interval = 0.2
     default_timeout = 1.0
 
@@ -79,6 +86,7 @@ class GarbageProbe(Probe):
 class ChildHangProbe(Probe):
     name = "childhang"
     checks = ("storage.childhang",)
+    reasons = (MOUNT_HUNG,)
     default_interval = 0.3
     default_timeout = 2.0
 

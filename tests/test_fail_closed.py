@@ -172,6 +172,7 @@ def running(config: dict[str, Any], probes: dict[str, type[Probe]]) -> Iterator[
         agent.shutdown()
 
 
+@pytest.mark.system
 def test_a_probe_that_starts_raising_or_hanging_keeps_the_node_not_ready() -> None:
     FlakyDevice.mode, FlakyDevice.release = "fail", threading.Event()
     config = {"health": {"fail_threshold": 1, "recovery_threshold": 1}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -11,6 +12,9 @@ import pytest
 
 from agent.httpserver import MAX_HEAD_BYTES, HttpServerCore, Request, Response
 
+SERVED = {"echo": 0}
+CANCELLED = threading.Event()
+
 
 async def slow(request: Request) -> Response:
     await asyncio.sleep(0.2)
@@ -18,12 +22,29 @@ async def slow(request: Request) -> Response:
 
 
 def echo(request: Request) -> Response:
+    SERVED["echo"] += 1
     return Response(200, f'{{"path": "{request.path}", "q": "{request.query_string}"}}'.encode())
+
+
+def count(request: Request) -> Response:
+    return Response(200, json.dumps(SERVED).encode())
+
+
+async def forever(request: Request) -> Response:
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        CANCELLED.set()
+        raise
+    return Response(200, b"{}")
 
 
 @pytest.fixture
 def port() -> Iterator[int]:
-    core = HttpServerCore({"/echo": echo, "/slow": slow, "/boom": lambda r: 1 / 0})  # type: ignore[dict-item]
+    SERVED["echo"] = 0
+    CANCELLED.clear()
+    routes = {"/echo": echo, "/slow": slow, "/boom": lambda r: 1 / 0, "/count": count, "/forever": forever}
+    core = HttpServerCore(routes)  # type: ignore[arg-type]
     loop = asyncio.new_event_loop()
     started = threading.Event()
     bound: list[int] = []
@@ -107,3 +128,57 @@ def test_a_client_that_vanishes_mid_long_poll_does_not_hurt(port: int) -> None:
     sock.sendall(b"GET /slow HTTP/1.1\r\n\r\n")
     sock.close()
     assert b"200 OK" in exchange(port, b"GET /slow HTTP/1.1\r\nConnection: close\r\n\r\n", expect_close=True)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [b"/%00%01%1b[31m%22%5c", b"/\x01\x7f\xff\x1b]0;title\x07", b'/"},{"x":1', b"/" + b"%e2%80%a8" * 400],
+)
+def test_error_bodies_are_valid_json_whatever_the_path(port: int, target: bytes) -> None:
+    out = exchange(port, b"GET " + target + b" HTTP/1.1\r\nConnection: close\r\n\r\n", expect_close=True)
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 ")
+    assert all(byte >= 0x20 for byte in body), body  # control bytes are escaped, never echoed raw
+    error = json.loads(body)["error"]
+    assert error.startswith("no such endpoint /") and len(error) < 200
+
+
+def test_a_pipelining_client_takes_turns_with_the_others(port: int) -> None:
+    pipelined = b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n" * 10000
+    hog = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sender = threading.Thread(target=hog.sendall, args=(pipelined,))
+    sender.start()
+    while SERVED["echo"] == 0:
+        pass
+    out = exchange(port, b"GET /count HTTP/1.1\r\nConnection: close\r\n\r\n", expect_close=True)
+    served_before = json.loads(out.partition(b"\r\n\r\n")[2])["echo"]
+    # Answered while most of the hog's requests still waited their turn, not after all of them.
+    assert 0 < served_before < 5000
+    received = b""
+    while received.count(b"HTTP/1.1 200 OK") < 10000:
+        received += hog.recv(1 << 20)
+    sender.join(10)
+    hog.close()
+
+
+def test_a_half_closed_client_still_gets_its_pipelined_answers(port: int) -> None:
+    data = b"GET /echo?a HTTP/1.1\r\n\r\n" + b"HEAD /echo HTTP/1.1\r\n\r\n" + b"GET /echo?b HTTP/1.1\r\n\r\n"
+    out = exchange(port, data)  # sends, then shuts down its writing side
+    assert out.count(b"HTTP/1.1 200 OK") == 3 and out.endswith(b'"q": "b"}')
+
+
+def test_end_of_input_during_a_waiting_handler_means_the_client_left(port: int) -> None:
+    # HTTP clients do not half-close: a FIN while a long-poll waits is a client gone, and the wait ends.
+    out = exchange(port, b"GET /forever HTTP/1.1\r\n\r\n")
+    assert out == b""
+    assert CANCELLED.wait(5)
+
+
+def test_a_waiting_handler_is_cancelled_when_its_client_leaves(port: int) -> None:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /forever HTTP/1.1\r\n\r\n")
+    out = exchange(port, b"GET /count HTTP/1.1\r\nConnection: close\r\n\r\n", expect_close=True)
+    assert out.startswith(b"HTTP/1.1 200")  # the handler is waiting (the server answers others meanwhile)
+    assert not CANCELLED.is_set()
+    sock.close()
+    assert CANCELLED.wait(5), "the handler must end when its client goes away, not at its own deadline"
