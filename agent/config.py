@@ -1,6 +1,6 @@
 """Configuration: one YAML document, every key defaulted, validated strictly.
 
-The key names of DESIGN.md are a contract (operators and tests write them); add keys freely, rename none.
+The config keys are a contract (operators and tests write them); add keys freely, rename none.
 The agent owns the sections of its machinery (http, logging, health, probes, kubernetes) below; every other
 section belongs to a probe family, which declares its model beside its probes (`probes/<family>/config.py`).
 `config_model()` assembles the families it discovers into one model.

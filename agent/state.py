@@ -225,14 +225,14 @@ class Snapshot:
         )
 
     def categories(self) -> dict[str, tuple[CheckState, ...]]:
-        """Check states per DESIGN category (npu, gpu, storage, network, time, host)."""
+        """Check states per category of the one table (probes.base.CATEGORIES)."""
         grouped: dict[str, list[CheckState]] = {category: [] for category in CATEGORIES}
         for state in self.checks:
             grouped[state.finding.category].append(state)
         return {category: tuple(states) for category, states in grouped.items()}
 
     def to_document(self) -> dict[str, Any]:
-        """The JSON document of DESIGN.md (`check --json`, `GET /status`)."""
+        """The JSON document of `check --json` and `GET /status` (docs/http.md)."""
         return {
             "node": self.node,
             "ready": self.ready,

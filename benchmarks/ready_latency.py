@@ -7,7 +7,7 @@ Runs, one after another on this machine:
   2. node-health `run --no-kube` serving /ready with the default probes;
   3. the same agent while one probe is hung forever (its thread blocked, reported as ProbeTimeout).
 Each under `wrk -t2 -c<connections> -d<duration>s --latency` (keep-alive). Prints p50/p99 and requests/s,
-and the ratio of each agent run to the baseline. Budget (DESIGN.md): p99 <= 5 ms and >= 10x baseline req/s.
+and the ratio of each agent run to the baseline. Budget (docs/http.md): p99 <= 5 ms and >= 10x baseline req/s.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ NPD_REASON = "DockerHung"  # a reason only the node-problem-detector stand-in re
 FAMILY_PREFIXES = ("nodehealth_host_", "nodehealth_npu_", "nodehealth_pcie_", "nodehealth_gpu_")
 FAMILY_PREFIXES += ("nodehealth_storage_", "nodehealth_network_", "nodehealth_time_", "nodehealth_kernel_log_")
 # Lint findings that node-problem-detector's metric names cause: dashboards built for NPD query exactly
-# these names (DESIGN.md, core metrics), so they stay. Every other finding fails the test.
+# these names (docs/observability.md, core metrics), so they stay. Every other finding fails the test.
 NPD_COMPAT_LINT = {
     "problem_counter metric name should not include type 'counter'",
     "problem_gauge metric name should not include type 'gauge'",

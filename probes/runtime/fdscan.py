@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from probes.runtime.host import try_reap
+
 if TYPE_CHECKING:
     from probes.runtime.host import Host
 
@@ -162,7 +164,7 @@ def _scan_lock(key: str) -> threading.Lock:
 def lingering_scanners(key: str = SCAN_KEY) -> list[int]:
     """PIDs of scanners of `key` killed for a stall that have not exited yet."""
     with _SCAN_LOCKS_GUARD:
-        alive = [(child, stuck) for child, stuck in _LINGERING.get(key, []) if not _reaped(child)]
+        alive = [(child, stuck) for child, stuck in _LINGERING.get(key, []) if not try_reap(child)]
         _LINGERING[key] = alive
         return [child for child, _ in alive]
 
@@ -306,7 +308,7 @@ def _run_scanner(request: _ScanRequest, pids: list[int], deadline: float, stall:
     try:
         _read_frames(read_fd, progress, outcome, deadline, stall)
     except ScanError:
-        _reaped(child, wait_seconds=1.0)  # it exited without its end frame: only its zombie is left
+        try_reap(child, wait_seconds=1.0)  # it exited without its end frame: only its zombie is left
         raise
     finally:
         os.close(read_fd)
@@ -314,7 +316,7 @@ def _run_scanner(request: _ScanRequest, pids: list[int], deadline: float, stall:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
         outcome.index = _PROGRESS.unpack_from(progress, 0)[0]
-    outcome.reaped = _reaped(child, wait_seconds=0.05 if not outcome.finished else 1.0)
+    outcome.reaped = try_reap(child, wait_seconds=0.05 if not outcome.finished else 1.0)
     progress.close()
     return outcome
 
@@ -393,20 +395,6 @@ def _drop_inherited_fds(keep: int) -> None:
         os.dup2(null, fd)
     os.closerange(3, keep)
     os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
-
-
-def _reaped(pid: int, wait_seconds: float = 0.0) -> bool:
-    end = time.monotonic() + wait_seconds
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return True
-        if done:
-            return True
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.005)
 
 
 _DENIED = (errno.EACCES, errno.EPERM)

@@ -102,7 +102,7 @@ class ChildCalls:
     def reap(self) -> None:
         with self._lock:
             for key, pid in list(self._in_flight.items()):
-                if _try_reap(pid):
+                if try_reap(pid):
                     del self._in_flight[key]
 
     def call(
@@ -131,10 +131,10 @@ class ChildCalls:
         if payload is None:
             _kill(pid)
             # Reaped outside the lock: waiting here must never delay other keys' calls.
-            if _try_reap(pid, wait_seconds=0.05):
+            if try_reap(pid, wait_seconds=0.05):
                 self._forget(key, pid)
             return ChildResult("timeout", error=f"no answer within {timeout:g}s", duration=duration)
-        if _try_reap(pid, wait_seconds=1.0):
+        if try_reap(pid, wait_seconds=1.0):
             self._forget(key, pid)
         try:
             kind, value, err_no, message = pickle.loads(payload)
@@ -208,7 +208,7 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _try_reap(pid: int, wait_seconds: float = 0.0) -> bool:
+def try_reap(pid: int, wait_seconds: float = 0.0) -> bool:
     """Reap `pid` if it has exited (waiting up to `wait_seconds`); True when it is gone."""
     end = time.monotonic() + wait_seconds
     while True:

@@ -22,11 +22,19 @@ log = logging.getLogger(__name__)
 def _removal_call(ctx: ProbeContext, group: Group, lock: LockFile, timeout: float) -> ChildCall:
     if group.namespace is None:
         root = str(ctx.host.root_path(group.root))
-        args = (root, lock.rel, lock.dev, lock.ino, lock.mtime_ns)
-        return ChildCall(f"locks-remove:{group.glob}", remove_lock_if_unchanged, args, timeout)
+        host_args: tuple[object, ...] = (root, lock.rel, lock.dev, lock.ino, lock.mtime_ns)
+        return ChildCall(f"locks-remove:{group.glob}", remove_lock_if_unchanged, host_args, timeout)
     ns = group.namespace
-    args = (str(ctx.host.proc), ns.pid, ns.namespace, lock.rel, lock.dev, lock.ino, lock.mtime_ns)
-    return ChildCall(f"locks-remove:{ns.namespace}", remove_container_lock_in_child, args, timeout)
+    ns_args: tuple[object, ...] = (
+        str(ctx.host.proc),
+        ns.pid,
+        ns.namespace,
+        lock.rel,
+        lock.dev,
+        lock.ino,
+        lock.mtime_ns,
+    )
+    return ChildCall(f"locks-remove:{ns.namespace}", remove_container_lock_in_child, ns_args, timeout)
 
 
 def remove_stale(ctx: ProbeContext, group: Group, timeout: float) -> int:

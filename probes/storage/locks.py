@@ -167,14 +167,14 @@ class LocksProbe(Probe):
         for pattern in settings.lock_globs:
             root, rest = split_glob(pattern)
             items.append(([pattern], [root], None))
-            args = (plan(str(ctx.host.root_path(root)), [rest]),)
-            calls.append(ChildCall(f"locks:{pattern}", walk_in_child, args, budget))
+            host_args: tuple[object, ...] = (plan(str(ctx.host.root_path(root)), [rest]),)
+            calls.append(ChildCall(f"locks:{pattern}", walk_in_child, host_args, budget))
         for namespace in census.namespaces if census else ():
             globs = list(settings.container_lock_globs)
             items.append((globs, ["/"] * len(globs), namespace))
             root = str(ctx.host.proc_path(namespace.pid, "root"))
-            args = (str(ctx.host.proc), namespace.pid, namespace.namespace, plan(root, globs))
-            calls.append(ChildCall(f"locks-ns:{namespace.namespace}", walk_namespace_in_child, args, budget))
+            ns_args: tuple[object, ...] = (str(ctx.host.proc), namespace.pid, namespace.namespace, plan(root, globs))
+            calls.append(ChildCall(f"locks-ns:{namespace.namespace}", walk_namespace_in_child, ns_args, budget))
         results = run_child_calls(ctx, calls, reserve)
         return [Walked(globs, roots, ns, result) for (globs, roots, ns), result in zip(items, results, strict=True)]
 

@@ -73,9 +73,9 @@ class MountsProbe(Probe):
         for spec in settings.mounts:
             entry = mount_at(table, spec.path)
             problem = mount_table_finding(spec, entry)
-            if problem is not None or entry is None:
+            if problem is not None:
                 out += [problem, mount_ok_sample(spec.path, False)]
-            else:
+            elif entry is not None:
                 to_probe.append((spec, entry))
         calls = [
             ChildCall(

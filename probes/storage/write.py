@@ -1,8 +1,8 @@
 """storage.write: write N bytes as the job's uid/gid, fsync, close, unlink → quota, full, inodes, read-only.
 
-Findings use check storage.write, not storage.space as DESIGN's table lists DiskQuotaExceeded: a check
-belongs to one probe (state, freshness, `--only`), and this probe runs on its own schedule and paths.
-The reason codes are those of DESIGN.
+Quota findings (DiskQuotaExceeded) use check storage.write, not storage.space: a check belongs to one probe
+(state, freshness, `--only`), and this probe runs on its own schedule and paths. Both are in the storage
+category, so the taint and condition are the same.
 """
 
 from __future__ import annotations
