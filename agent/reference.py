@@ -66,6 +66,14 @@ def _statuses(reason: Reason) -> str:
     return " / ".join(status.value for status in reason.statuses)
 
 
+def _where(use: ReasonUse) -> str:
+    """The probes that may emit a reason: a probe of one check is named by that check; a probe of several
+    (npu, gpu, pcie, host) by its name, the finding itself saying which of its checks."""
+    if use.probes == ("any",):
+        return "any"
+    return ", ".join(f"`{probe}`" for probe in use.probes)
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -73,7 +81,7 @@ def _cell(text: str) -> str:
 def reasons_text(uses: Iterable[ReasonUse]) -> str:
     lines = []
     for use in uses:
-        lines.append(f"{use.reason.code}  [{_statuses(use.reason)}]  {', '.join(use.checks)}")
+        lines.append(f"{use.reason.code}  [{_statuses(use.reason)}]  {_where(use)}")
         lines.append(f"    means: {use.reason.meaning}")
         if use.reason.hint:
             lines.append(f"    fix:   {use.reason.hint}")
@@ -81,14 +89,14 @@ def reasons_text(uses: Iterable[ReasonUse]) -> str:
 
 
 def family_table(uses: Iterable[ReasonUse], family: str) -> str:
-    rows = ["| Reason | Status | Checks | Meaning | Fix |", "|---|---|---|---|---|"]
+    rows = ["| Reason | Status | Probe | Meaning | Fix |", "|---|---|---|---|---|"]
     for use in uses:
         if use.family != family:
             continue
         anchor = anchor_of(use.reason.code)
         rows.append(
             f"| [`{use.reason.code}`](../troubleshooting.md#{anchor}) | {_statuses(use.reason)} | "
-            f"{', '.join(use.checks)} | {_cell(use.reason.meaning)} | {_cell(use.reason.hint)} |"
+            f"{_where(use)} | {_cell(use.reason.meaning)} | {_cell(use.reason.hint)} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -118,7 +126,7 @@ def troubleshooting_body(uses: list[ReasonUse], families: dict[str, Family]) -> 
                 continue
             seen.add(use.reason.code)
             out.append(f"### {use.reason.code}\n")
-            out.append(f"- **Status:** {_statuses(use.reason)}; **checks:** {', '.join(use.checks)}")
+            out.append(f"- **Status:** {_statuses(use.reason)}; **reported by:** {_where(use)}")
             out.append(f"- **Means:** {use.reason.meaning}")
             if use.reason.hint:
                 out.append(f"- **Fix:** {use.reason.hint}")

@@ -27,6 +27,11 @@ class NpuConfig(Section):
     hbm_leak_min_mib: float = Field(8192, ge=0)
     # Device nodes (globs under host.dev) whose holders npu.holders reports; matched by device number.
     holder_devices: list[str] = ["davinci[0-9]*", "davinci_manager", "devmm_svm", "hisi_hdc"]
+    # Deadline of the /proc/*/fd scan: this, plus holder_scan_seconds_per_1000_fds for every 1,000 fds open on
+    # the host at the last scan; at most 40% of the probe's timeout.
     holder_scan_timeout_seconds: PositiveSeconds = 5.0
+    # 4-5 ms of CPU per 1,000 fds (benchmarks/scan_quota.py): ~10 ms at the DaemonSet's 500m limit, and the scan
+    # may wait behind up to three others (gpu, network.ports, storage.locks) on the same lock.
+    holder_scan_seconds_per_1000_fds: float = Field(0.04, ge=0)
     # Holders never reported (fnmatch on the process name): the driver's own host daemons, npu-smi itself.
     holder_ignore_commands: list[str] = ["npu-smi", "dmp_daemon", "slogd", "sklogd", "log-daemon", "hccn_tool"]

@@ -68,19 +68,42 @@ def davinci_numbers(dev_dir: Path) -> list[int]:
     return sorted(numbers)
 
 
+def holder_scan_seconds(settings: NpuConfig, remaining: float, host_fds: int | None) -> float:
+    """The holder scan's deadline: npu.holder_scan_timeout_seconds plus npu.holder_scan_seconds_per_1000_fds for
+    every 1,000 fds open on the host (the scan reads them all, and so does each scan of another probe it may wait
+    behind), at most 40% of what is left of the run so that npu-smi keeps its time. Before the first scan the
+    count is not known: the 40%."""
+    share = remaining * 0.4
+    if host_fds is None:
+        return max(0.1, share)
+    allowance = settings.holder_scan_seconds_per_1000_fds * host_fds / 1000
+    return max(0.1, min(settings.holder_scan_timeout_seconds + allowance, share))
+
+
+def host_fds_seen(scan: DeviceScan | None) -> int | None:
+    """The fds open on the host as a scan saw them, extrapolated over the processes it did not reach."""
+    result = scan.result if scan is not None else None
+    if result is None or result.processes <= 0:
+        return None
+    missed = result.unscanned + len(result.unreadable)
+    return round(result.fds * (result.processes + missed) / result.processes)
+
+
 @register
 class NpuProbe(Probe):
     name = "npu"
     checks = ("npu.smi", "npu.health", "npu.hbm", "npu.holders")
     reasons = REASONS
     default_interval = 30.0
-    default_timeout = 10.0
+    # The holder scan takes up to 40% of it, and grows with the fds on the host (holder_scan_seconds).
+    default_timeout = 20.0
     needs = "npu-smi (npu.smi_command); /dev/davinci*; /proc of the host (hostPID) for npu.holders"
 
     def __init__(self) -> None:
         # `-m` changes only when chips come or go: keep it while the table lists the same chips.
         self._mapping_cache: tuple[tuple[tuple[int, int, str | None], ...], tuple[ChipMapping, ...]] | None = None
         self._pod_names: PodNames | None = None
+        self._host_fds: int | None = None  # as the last holder scan saw them
 
     def allowed_reasons(self, ctx: ProbeContext) -> dict[str, Reason]:
         allowed = dict(super().allowed_reasons(ctx))
@@ -252,13 +275,17 @@ class NpuProbe(Probe):
             return None, f"npu-smi info -t {kind}: {failure.message}"
         return text, ""
 
-    @staticmethod
-    def _scan(ctx: ProbeContext, settings: NpuConfig) -> DeviceScan | None:
+    def scan_deadline(self, settings: NpuConfig, remaining: float) -> float:
+        """The deadline the next holder scan gets when `remaining` seconds of the run are left."""
+        return holder_scan_seconds(settings, remaining, self._host_fds)
+
+    def _scan(self, ctx: ProbeContext, settings: NpuConfig) -> DeviceScan | None:
         nodes = device_nodes(ctx.host.dev, settings.holder_devices)
         if not nodes:
             return None
-        timeout = max(0.1, min(settings.holder_scan_timeout_seconds, ctx.remaining() * 0.4))
-        return scan_devices(ctx.host, nodes, timeout)
+        scan = scan_devices(ctx.host, nodes, self.scan_deadline(settings, ctx.remaining()))
+        self._host_fds = host_fds_seen(scan) or self._host_fds
+        return scan
 
     def _holders(self, ctx: ProbeContext, scan: DeviceScan | None, chips: tuple[NpuChip, ...]) -> HolderScan | None:
         listed: dict[int, set[str]] = {}
