@@ -71,7 +71,9 @@ def _aged(path: str, seconds: float = 2 * HOUR) -> str:
 
 
 @contextlib.contextmanager
-def container(setup: list[str], script: str, *args: str, executable: str = sys.executable) -> Iterator[Container]:
+def container(
+    setup: list[str], script: str, *args: str, executable: str = sys.executable, pass_fds: tuple[int, ...] = ()
+) -> Iterator[Container]:
     """Run `python -c script args` in a new mount namespace with a tmpfs over /tmp (after the shell `setup`
     ran there), moved into a cgroup `.../kubepods/burstable/pod<uid>/<container id>`. Everything the setup
     started is killed with it (its own process group)."""
@@ -91,6 +93,7 @@ def container(setup: list[str], script: str, *args: str, executable: str = sys.e
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        pass_fds=pass_fds,
     )
     try:
         assert proc.stdout is not None
@@ -267,20 +270,33 @@ def test_namespace_limit_is_reported_as_an_incomplete_scan() -> None:
         assert not [s for s in findings if s.startswith(job.label)]
 
 
+class _Fd:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 @pytest.mark.system
 def test_a_container_filesystem_that_never_answers_is_mount_hung(tmp_path: Path) -> None:
     """A FUSE filesystem mounted inside the container at its torch_extensions directory that never answers:
     that container's walk is MountHung under its own subject, within the deadline; the others go on."""
     fuse_capable()
-    fusefs = Path(__file__).parent / "support" / "fusefs.py"
-    mounted = "while ! grep -q ' /tmp/torch_extensions ' /proc/self/mountinfo; do sleep 0.05; done"
+    # The container's /tmp is a fresh tmpfs, which hides a checkout under /tmp: the script is handed over as
+    # an open file and run through /proc/self/fd, which reaches it whatever the mount namespace shows.
+    script = os.open(Path(__file__).parent / "support" / "fusefs.py", os.O_RDONLY)
+    mounted = (
+        "for i in $(seq 200); do grep -q ' /tmp/torch_extensions ' /proc/self/mountinfo && break; sleep 0.05; done"
+        " && grep -q ' /tmp/torch_extensions ' /proc/self/mountinfo"
+    )
     setup = [
         "mkdir -p /tmp/torch_extensions",
-        f"{{ {sys.executable} {fusefs} /tmp/torch_extensions --hang-getattr >/dev/null 2>&1 & }}",
+        f"{{ {sys.executable} /proc/self/fd/{script} /tmp/torch_extensions --hang-getattr >/dev/null 2>&1 & }}",
         mounted,
     ]
     host = Host(children=ChildCalls())
-    with container(setup, SLEEPER) as job:
+    with contextlib.closing(_Fd(script)), container(setup, SLEEPER, pass_fds=(script,)) as job:
         started = time.monotonic()
         findings, _ = run_locks(host=host, locks_timeout_seconds=1.0)
         assert time.monotonic() - started < 20.0
