@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from agent.config import Config, ConfigError, default_config_yaml, load_config
-from agent.daemon import build_state, instantiate, run_daemon
 from agent.logs import configure_logging
-from agent.scheduler import Scheduler
+from agent.scheduler import Scheduler, build_state, instantiate
 from agent.state import Snapshot, matches_any
 from probes import all_probes
 from probes.base import CATEGORIES, Probe, Status
@@ -214,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             config = load_config(args.config, all_probes())
             configure_logging(config.logging.format, config.logging.level)
+            from agent.daemon import run_daemon  # HTTP, metrics and the rest load only for the daemon
+
             return run_daemon(args.config, config, args.no_kube)
     except (ConfigError, UsageError) as exc:
         print(f"node-health: {exc}", file=sys.stderr)

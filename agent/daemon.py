@@ -15,8 +15,7 @@ from agent.configfile import ConfigFileError, read_bounded
 from agent.http import HttpServer
 from agent.logs import configure_logging
 from agent.metrics import MetricsRenderer
-from agent.scheduler import Scheduler
-from agent.state import HealthState
+from agent.scheduler import Scheduler, build_state, instantiate
 from probes import all_probes
 from probes.base import Probe, Sample
 from probes.host.config import HostConfig
@@ -40,20 +39,6 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError) as exc:
             log.warning("could not raise RLIMIT_NOFILE from %d to %d: %s", soft, target, exc)
     return soft
-
-
-def build_state(config: Config, one_shot: bool = False) -> HealthState:
-    return HealthState(
-        config.resolved_node_name,
-        fail_threshold=1 if one_shot else config.health.fail_threshold,
-        recovery_threshold=1 if one_shot else config.health.recovery_threshold,
-        stale_after_intervals=config.health.stale_after_intervals,
-        required=config.health.required_checks,
-    )
-
-
-def instantiate(classes: dict[str, type[Probe]]) -> dict[str, Probe]:
-    return {name: cls() for name, cls in classes.items()}
 
 
 class ConfigWatcher:

@@ -268,3 +268,17 @@ class Scheduler:
             with self._lock:
                 if slot.thread is not None:
                     self._watch_running(name, slot, max(time.monotonic(), slot.started_mono + slot.spec.timeout + 1e-3))
+
+
+def build_state(config: Config, one_shot: bool = False) -> HealthState:
+    return HealthState(
+        config.resolved_node_name,
+        fail_threshold=1 if one_shot else config.health.fail_threshold,
+        recovery_threshold=1 if one_shot else config.health.recovery_threshold,
+        stale_after_intervals=config.health.stale_after_intervals,
+        required=config.health.required_checks,
+    )
+
+
+def instantiate(classes: dict[str, type[Probe]]) -> dict[str, Probe]:
+    return {name: cls() for name, cls in classes.items()}
