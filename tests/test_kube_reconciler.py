@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from support.kube_helpers import (
     record,
     slots,
 )
+from support.system import REPO
 
 from agent.config import parse_config
 from agent.kube import KubeAgent, load_api_client
@@ -411,6 +414,7 @@ def test_load_api_client_from_kubeconfig(double: ApiDouble, tmp_path: Path, monk
         )
     )
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    double.token = "t"  # the kubeconfig's user token must reach the API on every call
     for config in (parse_config({"kubernetes": {"kubeconfig": str(kubeconfig)}}), None):
         if config is None:
             monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
@@ -425,6 +429,38 @@ def test_load_api_client_from_kubeconfig(double: ApiDouble, tmp_path: Path, monk
         assert agent.status()["errors"] == {}
         assert load_api_client(config).configuration.host == double.host
     assert "node-health/ready" in labels(double.node("n1"))
+    assert 401 not in {request.status for request in double.log}
+
+    double.token = "another"  # a token the API no longer accepts: counted as forbidden, the Node left alone
+    writes = len(double.writes)
+    agent = KubeAgent(kube_config(kubeconfig=str(kubeconfig)), "n1", lambda state=state: state.snapshot)
+    agent.reconcile_once()
+    agent.stop()
+    assert set(agent.status()["errors"]) == {"forbidden"}
+    assert double.log[-1].status == 401 and len(double.writes) == writes
+
+
+@pytest.mark.system
+def test_api_calls_never_load_the_generated_api_classes(double: ApiDouble) -> None:
+    """KubeApi goes through ApiClient: CoreV1Api (~250 pydantic models, 22 MiB of RSS) is never imported."""
+    double.add_node("n1")
+    script = f"""
+import sys
+import kubernetes.client
+from agent.kube.client import KubeApi
+api = KubeApi(lambda: kubernetes.client.ApiClient(kubernetes.client.Configuration(host={double.host!r})), 5.0)
+assert api.get_node("n1")["metadata"]["name"] == "n1"
+assert [node["metadata"]["name"] for node in api.list_nodes(from_cache=True)] == ["n1"]
+api.patch_node("n1", {{"metadata": {{"labels": {{"a": "b"}}}}}})
+assert api.get_configmap("node-health", "missing") is None
+loaded = sorted(name for name in sys.modules if name.startswith("kubernetes.client.api."))
+models = sum(name.startswith("kubernetes.client.models.") for name in sys.modules)
+print(loaded, models)
+assert not loaded and models < 10, (loaded, models)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert double.node("n1")["metadata"]["labels"] == {"a": "b"}
 
 
 def wait_for(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]

@@ -1,8 +1,8 @@
 """The Kubernetes client as the kube package uses it: loading credentials, one thin API surface, errors, backoff.
 
 Every call the package makes goes through `KubeApi`, so the API verbs it needs (and deploy/rbac.yaml grants)
-are the methods below and nothing else. Answers are read as raw JSON (`_preload_content=False`): the
-generated models would cost more CPU than the whole reconcile and hide fields the double and the API send.
+are the methods below and nothing else. Answers are read as raw JSON: the generated models would cost more
+CPU and memory than the whole reconcile and hide fields the double and the API send.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import kubernetes.client
 import kubernetes.config
@@ -136,61 +137,87 @@ class Backoff:
         self.failures = 0
 
 
-def _raw(body: dict[str, Any]) -> Any:
-    """A body as plain JSON: the client serializes a dict as it is (its typed models are for its callers)."""
-    return body
-
-
-def _json(response: Any) -> dict[str, Any]:
-    try:
-        return json.loads(response.data or b"{}")
-    finally:
-        response.release_conn()
-
-
 class KubeApi:
-    """The only Kubernetes calls of the package. Each returns the object as JSON (a dict)."""
+    """The only Kubernetes calls of the package. Each returns the object as JSON (a dict).
+
+    Requests go through the client's `ApiClient` (its credentials, token refresh, TLS and connection pool),
+    not through the generated `CoreV1Api`: importing that class builds ~250 pydantic models, 22 MiB of the
+    agent's memory, to serve eight calls whose answers are read as raw JSON anyway."""
 
     def __init__(self, client: Callable[[], kubernetes.client.ApiClient], timeout: float) -> None:
         self._client = client
-        self._core: kubernetes.client.CoreV1Api | None = None
+        self._api_client: kubernetes.client.ApiClient | None = None
         self.timeout = timeout
 
-    def core(self) -> kubernetes.client.CoreV1Api:
-        if self._core is None:
-            self._core = kubernetes.client.CoreV1Api(self._client())
-        return self._core
+    def api_client(self) -> kubernetes.client.ApiClient:
+        if self._api_client is None:
+            self._api_client = self._client()
+        return self._api_client
 
-    def _options(self) -> dict[str, Any]:
-        return {"_preload_content": False, "_request_timeout": self.timeout}
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+        accept: str = "application/json",
+    ) -> dict[str, Any]:
+        """One request; the answer as JSON, or ApiException for any status outside 2xx."""
+        client = self.api_client()
+        headers = {"Accept": accept}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        _, url, headers, serialized, _ = client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or None,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        answer = client.call_api(method, url, header_params=headers, body=serialized, _request_timeout=self.timeout)
+        try:
+            data = answer.read()
+        finally:
+            answer.response.release_conn()
+        if not 200 <= answer.status <= 299:
+            text = data.decode("utf-8", "replace") if data else None
+            raise ApiException.from_response(http_resp=answer, body=text, data=None)
+        return json.loads(data or b"{}")
 
     # nodes: get, list, patch; nodes/status: patch
     def get_node(self, name: str) -> dict[str, Any]:
-        return _json(self.core().read_node(name, **self._options()))
+        return self._call("GET", f"/api/v1/nodes/{quote(name, safe='')}")
 
     def list_nodes(self, selector: str = "", from_cache: bool = False) -> list[dict[str, Any]]:
         """from_cache: resourceVersion=0, served from the API server's watch cache instead of etcd."""
-        version = "0" if from_cache else None
-        answer = _json(
-            self.core().list_node(label_selector=selector or None, resource_version=version, **self._options())
-        )
-        return list(answer.get("items") or [])
+        query = [("labelSelector", selector)] if selector else []
+        if from_cache:
+            query.append(("resourceVersion", "0"))
+        return list(self._call("GET", "/api/v1/nodes", query=query).get("items") or [])
 
     def patch_node(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _json(self.core().patch_node(name, body, _content_type=STRATEGIC_MERGE, **self._options()))
+        return self._call("PATCH", f"/api/v1/nodes/{quote(name, safe='')}", body=body, content_type=STRATEGIC_MERGE)
 
     def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _json(self.core().patch_node_status(name, body, _content_type=STRATEGIC_MERGE, **self._options()))
+        path = f"/api/v1/nodes/{quote(name, safe='')}/status"
+        return self._call("PATCH", path, body=body, content_type=STRATEGIC_MERGE)
 
     # events: create
     def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _json(self.core().create_namespaced_event(namespace, _raw(body), **self._options()))
+        return self._call("POST", f"/api/v1/namespaces/{quote(namespace, safe='')}/events", body=body)
 
     # configmaps (the budget): get, create, update
+    def _configmap_path(self, namespace: str, name: str = "") -> str:
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/configmaps"
+        return f"{path}/{quote(name, safe='')}" if name else path
+
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
         """None when it does not exist."""
         try:
-            return _json(self.core().read_namespaced_config_map(name, namespace, **self._options()))
+            return self._call("GET", self._configmap_path(namespace, name))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -199,11 +226,7 @@ class KubeApi:
     def get_configmap_metadata(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Only its metadata (a PartialObjectMetadata: no data); None when it does not exist."""
         try:
-            answer = _json(
-                self.core().read_namespaced_config_map(
-                    name, namespace, _headers={"Accept": METADATA_ONLY}, **self._options()
-                )
-            )
+            answer = self._call("GET", self._configmap_path(namespace, name), accept=METADATA_ONLY)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -211,7 +234,7 @@ class KubeApi:
         return dict(answer.get("metadata") or {})
 
     def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _json(self.core().create_namespaced_config_map(namespace, _raw(body), **self._options()))
+        return self._call("POST", self._configmap_path(namespace), body=body)
 
     def replace_configmap(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _json(self.core().replace_namespaced_config_map(name, namespace, _raw(body), **self._options()))
+        return self._call("PUT", self._configmap_path(namespace, name), body=body)

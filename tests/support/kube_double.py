@@ -138,6 +138,9 @@ class ApiDouble:
         self._connections: set[socket.socket] = set()
         self.port = 0
         self.down = False
+        # When set, every request must carry `Authorization: Bearer <token>`, else 401 (as the API server's
+        # authenticator answers before anything else).
+        self.token: str | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -476,6 +479,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.api.requests.append((method, path))
         self._current = (method, path, parse_qs(url.query))
+        if self.api.token is not None and self.headers.get("Authorization") != f"Bearer {self.api.token}":
+            self._error(ApiError(401, "Unauthorized", "Unauthorized"))
+            return
         fault = self.api._take_fault(method, path)
         if fault is not None:
             if fault.delay:
@@ -592,6 +598,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 _REASONS = {
+    401: "Unauthorized",
     403: "Forbidden",
     404: "NotFound",
     409: "Conflict",
