@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,14 +20,17 @@ import pytest
 from support.fusefs import fuse_mount
 from support.system import fuse_capable, require, require_root
 
+from probes.runtime.holders import DeviceScan, device_holders
 from probes.runtime.host import Host
 from probes.runtime.procfs import (
     STATX_AVAILABLE,
     ScanError,
     ScanTimeout,
+    described,
     device_rdevs,
     lingering_scanners,
     parse_start_time,
+    process_info,
     scan_in_process,
     scan_open_files,
 )
@@ -139,6 +143,82 @@ def test_scan_finds_device_copy_by_rdev_file_by_inode_and_socket(holder) -> None
     assert result.duration > 0
     # the scanning child never reports itself, and the agent process holds none of these
     assert all(m.pid != os.getpid() for m in result.matches)
+
+
+@pytest.mark.system
+def test_the_scanner_that_finds_a_holder_describes_it(holder) -> None:
+    """stat, cgroup, status and cmdline of each holder are read by the scanner, not by the caller."""
+    proc, davinci, _copy, _regular, _port = holder
+    result = scan_open_files(Host(), rdevs=device_rdevs(davinci.parent, ["davinci0"]), timeout=20)
+    assert {m.pid for m in result.matches} == set(result.texts) == {proc.pid}
+    stat_text, cgroup_text, status_text, cmdline = result.texts[proc.pid]
+    assert stat_text == Path(f"/proc/{proc.pid}/stat").read_text()
+    assert cgroup_text == Path(f"/proc/{proc.pid}/cgroup").read_text()
+    assert "\nUid:\t0\t" in status_text
+    assert cmdline == Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    info = described(result)[proc.pid]
+    assert info == process_info(Path("/proc"), proc.pid)
+    assert info.start_time == _start_time(proc.pid) and info.uid == 0
+    assert info.command.startswith(f"{sys.executable} -c import os, socket, sys, time handles = ")
+
+
+POD_UID = "1f2e3d4c-aaaa-bbbb-cccc-111122223333"
+CONTAINER_ID = "4c3b" + "0" * 60
+
+
+def _fake_process(proc: Path, pid: int, fd_target: Path) -> Path:
+    """/proc/PID of a process that holds fd_target in a pod, whose cmdline is a FIFO nobody writes: opening it
+    blocks as a read of a real cmdline does while the process's mmap lock is held (a task stuck in mmap or
+    munmap on a hung filesystem). Returns the FIFO."""
+    base = proc / str(pid)
+    (base / "fd").mkdir(parents=True)
+    (base / "fd" / "3").symlink_to(fd_target)
+    fields = ["S", "1", str(pid), str(pid), "0", "-1", "4194560"] + ["0"] * 12 + ["123456", "0", "0"]
+    (base / "stat").write_text(f"{pid} (python3) {' '.join(fields)}\n")
+    scope = f"cri-containerd-{CONTAINER_ID}.scope"
+    pod_slice = f"kubepods-burstable-pod{POD_UID.replace('-', '_')}.slice"
+    (base / "cgroup").write_text(f"0::/kubepods.slice/kubepods-burstable.slice/{pod_slice}/{scope}\n")
+    (base / "status").write_text("Name:\tpython3\nUid:\t1000\t1000\t1000\t1000\n")
+    (base / "comm").write_text("python3\n")
+    os.mkfifo(base / "cmdline")
+    return base / "cmdline"
+
+
+@pytest.mark.system
+def test_a_cmdline_that_blocks_keeps_the_holder_and_never_blocks_the_caller(tmp: Path) -> None:
+    require_root()
+    dev = tmp / "dev"
+    dev.mkdir()
+    rdev = _mknod_copy("/dev/full", dev / "davinci3")
+    _fake_process(tmp / "proc", 4242, dev / "davinci3")
+    host = Host(proc=tmp / "proc", dev=dev)
+    nodes = {rdev: "davinci3"}
+    answer: list[object] = []
+
+    def scan_and_describe() -> None:
+        scan = scan_open_files(host, rdevs=nodes.keys(), timeout=10, partial=True, stall_seconds=0.5)
+        answer.extend([scan, device_holders(host, DeviceScan(nodes, scan))])
+
+    worker = threading.Thread(target=scan_and_describe, daemon=True)
+    worker.start()
+    worker.join(timeout=15)
+    assert not worker.is_alive(), "the caller blocked on a cmdline"
+    scan, holders = answer
+    assert [(m.pid, m.key) for m in scan.matches] == [(4242, ("rdev", rdev))]  # type: ignore[attr-defined]
+    assert scan.texts[4242][3] is None  # type: ignore[attr-defined]
+    assert [(u.pid, u.comm) for u in scan.unreadable] == [(4242, "python3")]  # type: ignore[attr-defined]
+    [holder] = holders.holders  # type: ignore[attr-defined]
+    assert (holder.pid, holder.things, holder.info.start_time, holder.info.uid) == (4242, {"davinci3"}, 123456, 1000)
+    assert holder.info.command == "[python3]" and holder.executable == "python3"
+    assert holder.in_pod and holder.owner.pod_uid == POD_UID and holder.owner.container_id == CONTAINER_ID
+    assert "PID 4242" in holders.shortfall()  # type: ignore[attr-defined]
+    # Callers that need no command line never open it.
+    info = process_info(tmp / "proc", 4242, with_command=False)
+    assert info is not None and info.command == "[python3]" and info.cgroup.pod_uid == POD_UID
+    deadline = time.monotonic() + 10  # a FIFO open is interruptible: the killed scanner is reaped
+    while lingering_scanners() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lingering_scanners() == []
 
 
 @pytest.mark.system

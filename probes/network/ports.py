@@ -47,7 +47,7 @@ from probes.runtime.holders import (
     pods_of,
     stop_hint,
 )
-from probes.runtime.procfs import ScanError, scan_open_files
+from probes.runtime.procfs import ScanError, described, scan_open_files
 
 PORTS = Check("network.ports")
 RESERVED_SUBJECT = "net.ipv4.ip_local_reserved_ports"
@@ -97,7 +97,7 @@ def port_holders(ctx: ProbeContext, occupied: Sequence[SocketEntry]) -> tuple[di
     except ScanError as exc:
         return {}, str(exc)
     sightings = [Sighting(m.pid, str(m.key[1]), "socket", m.start_time) for m in scan.matches]
-    holders, _ = collect_holders(ctx.host.proc, sightings, PodNames(ctx.host.root))
+    holders, _ = collect_holders(ctx.host.proc, sightings, PodNames(ctx.host.root), known=described(scan))
     by_inode: dict[int, list[Holder]] = {}
     for holder in holders:
         for inode in holder.things:

@@ -28,8 +28,8 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +115,10 @@ class UnreadableProcess:
     why: str
 
 
+# /proc/PID/{stat,cgroup,status} as text and /proc/PID/cmdline as bytes (None when it could not be read).
+ProcessTexts = tuple[str, str, str, bytes | None]
+
+
 @dataclass(frozen=True)
 class ScanResult:
     matches: tuple[FdMatch, ...]
@@ -126,6 +130,9 @@ class ScanResult:
     unreadable: tuple[UnreadableProcess, ...] = ()
     unscanned: int = 0  # processes not reached before the deadline
     skipped: int = 0  # fd targets not stat'ed (no statx: only targets under a dev dir are)
+    # pid → (stat, cgroup, status, cmdline or None) of each process with a match, read by the scanner that
+    # found it: reading a cmdline takes the process's mmap lock and can block, so no agent thread does it.
+    texts: Mapping[int, ProcessTexts] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -231,6 +238,7 @@ class _Tally:
     matches: list[FdMatch]
     counters: dict[str, int]
     unreadable: list[UnreadableProcess]
+    texts: dict[int, ProcessTexts] = field(default_factory=dict)
 
 
 def _scan_all(request: _ScanRequest, key: str, deadline: float, stall: float, started: float) -> ScanResult:
@@ -251,6 +259,7 @@ def _scan_all(request: _ScanRequest, key: str, deadline: float, stall: float, st
     while remaining:
         outcome = _run_scanner(request, remaining, deadline, stall)
         tally.matches.extend(outcome.matches)
+        tally.texts.update(outcome.texts)
         for name in tally.counters:
             tally.counters[name] += outcome.counters.get(name, 0)
         if outcome.finished:
@@ -275,6 +284,7 @@ def _scan_all(request: _ScanRequest, key: str, deadline: float, stall: float, st
         unreadable=tuple(tally.unreadable),
         unscanned=unscanned,
         skipped=tally.counters["skipped"],
+        texts=tally.texts,
     )
 
 
@@ -294,6 +304,7 @@ class _Outcome:
     stalled: bool = False
     index: int = 0  # position in the pid list the scanner was at when it was stopped
     reaped: bool = True
+    texts: dict[int, ProcessTexts] = field(default_factory=dict)
 
 
 def _run_scanner(request: _ScanRequest, pids: list[int], deadline: float, stall: float) -> _Outcome:
@@ -361,6 +372,7 @@ def _take_frames(buffer: bytearray, outcome: _Outcome) -> bool:
         del buffer[: _FRAME.size + size]
         outcome.matches.extend(FdMatch(p, s, fd, target, tuple(k)) for p, s, fd, target, k in frame["matches"])
         outcome.counters = frame["counters"]
+        outcome.texts.update(frame.get("texts") or {})
         ended = bool(frame.get("end"))
     return ended
 
@@ -375,8 +387,8 @@ def _scanner_main(  # pragma: no cover - runs in the forked scanner
         _drop_inherited_fds(write_fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-        def emit(matches: list[tuple[Any, ...]], counters: dict[str, int], end: bool) -> None:
-            data = pickle.dumps({"matches": matches, "counters": dict(counters), "end": end})
+        def emit(matches: list[tuple[Any, ...]], counters: dict[str, int], end: bool, texts: dict[int, Any]) -> None:
+            data = pickle.dumps({"matches": matches, "counters": dict(counters), "end": end, "texts": texts})
             view = memoryview(_FRAME.pack(len(data)) + data)
             while view:
                 view = view[os.write(write_fd, view) :]
@@ -406,29 +418,63 @@ def scan_fds(
     request: _ScanRequest,
     pids: Sequence[int],
     progress: mmap.mmap | None = None,
-    emit: Callable[[list[tuple[Any, ...]], dict[str, int], bool], None] | None = None,
+    emit: Callable[[list[tuple[Any, ...]], dict[str, int], bool, dict[int, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Scan the fds of `pids` (pure `os`; runs in a scanner, or in-process for benchmarks and tests).
 
-    Returns {"matches": [(pid, start_time, fd, target, key)], "vanished", "permission_denied", "processes",
-    "fds", "skipped"}; with `emit`, hands over what it found in frames as it goes (cumulative counters).
+    Returns {"matches": [(pid, start_time, fd, target, key)], "texts": {pid: ProcessTexts}, "vanished",
+    "permission_denied", "processes", "fds", "skipped"}; with `emit`, hands over what it found in frames as it
+    goes (cumulative counters). A process's matches are handed over before its texts are read, so a cmdline
+    that blocks (its mmap lock held) stalls the scanner without losing the match.
     """
     reader = _FdReader(request)
     pending: list[tuple[Any, ...]] = []
     found: list[tuple[Any, ...]] = []
+    texts: dict[int, Any] = {}
+
+    def hand_over(new: dict[int, Any]) -> None:
+        if emit is not None:
+            emit([], reader.counters, False, new)
+
     for index, pid in enumerate(pids):
         if progress is not None:
             _PROGRESS.pack_into(progress, 0, index, reader.counters["fds"])
         matches = reader.process(pid, progress, index)
         pending.extend(matches)
         if emit is not None and (matches or index % _FLUSH_EVERY == _FLUSH_EVERY - 1):
-            emit(pending, reader.counters, False)
+            emit(pending, reader.counters, False, {})
             found.extend(pending)
             pending = []
+        if matches:
+            _read_texts(request.proc_dir, pid, texts, hand_over)
     found.extend(pending)
     if emit is not None:
-        emit(pending, reader.counters, True)
-    return {"matches": found, **reader.counters, "processes": reader.processes}
+        emit(pending, reader.counters, True, {})
+    return {"matches": found, "texts": texts, **reader.counters, "processes": reader.processes}
+
+
+def _read_texts(proc_dir: str, pid: int, texts: dict[int, Any], hand_over: Callable[[dict[int, Any]], None]) -> None:
+    """stat, cgroup and status first (procfs answers them without the process's locks), handed over; then
+    the cmdline, which may block on the process's mmap lock, handed over when it comes."""
+    parts: list[str] = []
+    try:
+        for name in ("stat", "cgroup", "status"):
+            with open(f"{proc_dir}/{pid}/{name}", "rb") as handle:
+                parts.append(handle.read(_TEXT_LIMIT).decode("utf-8", "replace"))
+    except OSError:
+        return  # exited: the parent finds its start time gone
+    texts[pid] = (*parts, None)
+    hand_over({pid: texts[pid]})
+    cmdline: bytes | None = None
+    with contextlib.suppress(OSError), open(f"{proc_dir}/{pid}/cmdline", "rb") as handle:
+        cmdline = handle.read(_CMDLINE_LIMIT)
+    if cmdline is not None:
+        texts[pid] = (*parts, cmdline)
+        hand_over({pid: texts[pid]})
+
+
+_TEXT_LIMIT = 64 * 1024
+_CMDLINE_LIMIT = 4096
 
 
 def scan_in_process(

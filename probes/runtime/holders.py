@@ -32,6 +32,7 @@ from probes.runtime.procfs import (
     ScanError,
     ScanResult,
     UnreadableProcess,
+    described,
     device_rdevs,
     process_info,
     scan_open_files,
@@ -221,11 +222,18 @@ class Sighting:
 
 
 def collect_holders(
-    proc: Path, sightings: Iterable[Sighting], pod_names: PodNames | None = None, exclude: Iterable[int] = ()
+    proc: Path,
+    sightings: Iterable[Sighting],
+    pod_names: PodNames | None = None,
+    exclude: Iterable[int] = (),
+    known: Mapping[int, ProcessInfo] | None = None,
 ) -> tuple[list[Holder], int]:
-    """One Holder per live process among the sightings; (holders by pid, sightings whose process is gone)."""
+    """One Holder per live process among the sightings; (holders by pid, sightings whose process is gone).
+
+    `known`: the processes the fd scan's scanners described (`described(scan)`); only the others (PIDs a tool
+    listed that the scan did not see) are read here."""
     excluded = set(exclude)
-    infos: dict[int, ProcessInfo | None] = {}
+    infos: dict[int, ProcessInfo | None] = dict(known or {})
     holders: dict[tuple[int, int], Holder] = {}
     vanished = 0
     for sighting in sightings:
@@ -332,7 +340,7 @@ def device_holders(
         sightings.append(Sighting(match.pid, name or os.path.basename(match.target), "fd", match.start_time))
     for pid, things in (listed or {}).items():
         sightings.extend(Sighting(pid, thing, listed_source) for thing in sorted(things))
-    holders, vanished = collect_holders(host.proc, sightings, pod_names, exclude)
+    holders, vanished = collect_holders(host.proc, sightings, pod_names, exclude, described(result) if result else {})
     return HolderScan(
         holders,
         vanished=vanished + (result.vanished if result else 0),

@@ -2,8 +2,9 @@
 
 - `classify_cgroup`: /proc/PID/cgroup text → pod / container / service / session / host, for cgroup v1
   and v2, the cgroupfs and systemd drivers, and paths seen from a private cgroup namespace (`/../`).
-- `process_info`: pid, start time (field 22 of /proc/PID/stat; pids are reused, so results are keyed by
-  (pid, start_time)), command and cgroup owner.
+- `process_info` / `parse_process_info`: pid, start time (field 22 of /proc/PID/stat; pids are reused, so
+  results are keyed by (pid, start_time)), command and cgroup owner; `described`: the same for the processes
+  an fd scan found, from the texts its scanner read.
 - `device_rdevs`: the device numbers of the nodes a glob names under a dev dir.
 - `scan_open_files` (from `probes.runtime.fdscan`, re-exported here): one pass over every /proc/*/fd that
   a hung filesystem cannot block.
@@ -24,6 +25,7 @@ from probes.runtime.fdscan import (
     SCAN_KEY,
     STATX_AVAILABLE,
     FdMatch,
+    ProcessTexts,
     ScanError,
     ScanResult,
     ScanTimeout,
@@ -43,6 +45,7 @@ __all__ = [
     "CgroupOwner",
     "FdMatch",
     "ProcessInfo",
+    "ProcessTexts",
     "ScanError",
     "ScanResult",
     "ScanTimeout",
@@ -50,10 +53,12 @@ __all__ = [
     "cgroup_path",
     "classify_cgroup",
     "classify_cgroup_path",
+    "described",
     "device_rdevs",
     "format_rdev",
     "lingering_scanners",
     "list_pids",
+    "parse_process_info",
     "parse_start_time",
     "parse_stat",
     "process_info",
@@ -224,36 +229,63 @@ class ProcessInfo:
         return (self.pid, self.start_time)
 
 
-def process_info(proc: Path, pid: int) -> ProcessInfo | None:
-    """pid, start time, command and cgroup owner of one process; None when it has vanished."""
+def process_info(proc: Path, pid: int, with_command: bool = True) -> ProcessInfo | None:
+    """pid, start time, command and cgroup owner of one process; None when it has vanished.
+
+    The command comes from /proc/PID/cmdline, whose read waits while the process's mmap lock is held: holders
+    come from the fd scan's texts (`described`) instead, and callers that need no command line pass
+    `with_command=False` (the command is then `[comm]`)."""
     base = Path(proc) / str(pid)
     try:
         stat_text = (base / "stat").read_text(errors="replace")
-        comm, _ = parse_stat(stat_text)
-        start_time = parse_start_time(stat_text)
         cgroup_text = (base / "cgroup").read_text(errors="replace")
     except (FileNotFoundError, ProcessLookupError):
         return None
-    except ValueError:  # a truncated read of a process that is exiting
-        return None
-    command = ""
+    status_text = ""
     with contextlib.suppress(OSError):
-        raw = (base / "cmdline").read_bytes()[:4096]
-        # One line for messages: NULs between arguments, and newlines inside them, become single spaces.
-        command = " ".join(raw.decode("utf-8", "replace").replace("\0", " ").split())[:256]
-    uid: int | None = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in (base / "status").read_text(errors="replace").splitlines():
-            if line.startswith("Uid:"):
-                uid = int(line.split()[1])
-                break
-    # A pid reused between the two reads would mix two processes: re-check the start time.
+        status_text = (base / "status").read_text(errors="replace")
+    cmdline: bytes | None = None
+    if with_command:
+        with contextlib.suppress(OSError):
+            cmdline = (base / "cmdline").read_bytes()[:4096]
+    info = parse_process_info(pid, (stat_text, cgroup_text, status_text, cmdline))
+    # A pid reused between the reads would mix two processes: re-check the start time.
     try:
-        if parse_start_time((base / "stat").read_text(errors="replace")) != start_time:
+        if info is None or parse_start_time((base / "stat").read_text(errors="replace")) != info.start_time:
             return None
     except (OSError, ValueError):
         return None
+    return info
+
+
+def parse_process_info(pid: int, texts: ProcessTexts) -> ProcessInfo | None:
+    """ProcessInfo from /proc/PID/{stat,cgroup,status} text and cmdline bytes; None for a truncated stat (a
+    process that is exiting). Without a cmdline the command is `[comm]`."""
+    stat_text, cgroup_text, status_text, cmdline = texts
+    try:
+        comm, _ = parse_stat(stat_text)
+        start_time = parse_start_time(stat_text)
+    except ValueError:
+        return None
+    # One line for messages: NULs between arguments, and newlines inside them, become single spaces.
+    command = " ".join((cmdline or b"").decode("utf-8", "replace").replace("\0", " ").split())[:256]
+    uid: int | None = None
+    with contextlib.suppress(ValueError, IndexError):
+        for line in status_text.splitlines():
+            if line.startswith("Uid:"):
+                uid = int(line.split()[1])
+                break
     return ProcessInfo(pid, start_time, command or f"[{comm}]", classify_cgroup(cgroup_text), comm, uid)
+
+
+def described(result: ScanResult) -> dict[int, ProcessInfo]:
+    """The processes an fd scan found, from the texts its scanners read (never re-read here)."""
+    out: dict[int, ProcessInfo] = {}
+    for pid, texts in result.texts.items():
+        info = parse_process_info(pid, texts)
+        if info is not None:
+            out[pid] = info
+    return out
 
 
 # --- device numbers --------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def container_namespaces(host: Host, limit: int) -> NamespaceCensus:
     for namespace, pid in first_pid.items():
         if host_ns.namespace is None and host_ns.holds(host, pid, namespace):
             continue
-        info = process_info(host.proc, pid)
+        info = process_info(host.proc, pid, with_command=False)
         if info is not None and info.comm not in _SANDBOX_COMMS:
             found.append(MountNamespace(namespace, pid, info.comm, info.cgroup))
     found.sort(key=lambda ns: (not ns.owner.in_pod, ns.owner.kind != "container", ns.pid))

@@ -135,7 +135,7 @@ def match_waited_lock(
 
 
 def _waiter(ctx: ProbeContext, pid: int, lock: StaleLock) -> dict[str, Any]:
-    info = process_info(ctx.host.proc, pid)
+    info = process_info(ctx.host.proc, pid, with_command=not ctx.redact_cmdlines)
     entry: dict[str, Any] = {"pid": pid, "exe": info.comm if info else "?", "lock": lock.path}
     if info is not None and info.cgroup.kind in ("pod", "container"):
         entry.update({"pod_uid": info.cgroup.pod_uid, "container_id": info.cgroup.container_id})
