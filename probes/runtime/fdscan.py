@@ -11,6 +11,8 @@ The scan runs in forked scanners, never on an agent thread. A scanner reports it
 memory and its findings through a pipe as it goes; one that makes no progress for a while (a filesystem that
 ignores AT_STATX_DONT_SYNC, or a kernel without statx) is killed, the process it was reading is named as
 unreadable, and a new scanner carries on after it: what was read is kept, and one bad mount blinds nothing else.
+The scanner also reads the /proc texts of each process it matched (`ScanResult.texts`), the cmdline last: that
+read waits while the process's mmap lock is held, and must not happen on an agent thread.
 """
 
 from __future__ import annotations
