@@ -44,7 +44,13 @@ def scan_gpu_holders(ctx: ProbeContext, cfg: GpuConfig, gpus: Sequence[GpuState]
         for process in gpu.processes or ():
             listed.setdefault(process.pid, set()).add(gpu_node(gpu))
     return device_holders(
-        ctx.host, scan, listed=listed, listed_source="nvml", pod_names=pod_names, exclude=(os.getpid(),)
+        ctx.host,
+        scan,
+        listed=listed,
+        listed_source="nvml",
+        pod_names=pod_names,
+        exclude=(os.getpid(),),
+        read_commands=not ctx.redact_cmdlines,
     )
 
 

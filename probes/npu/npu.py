@@ -297,7 +297,13 @@ class NpuProbe(Probe):
         if self._pod_names is None or self._pod_names.root != ctx.host.root:
             self._pod_names = PodNames(ctx.host.root)
         return device_holders(
-            ctx.host, scan, listed=listed, listed_source="npu-smi", pod_names=self._pod_names, exclude=(os.getpid(),)
+            ctx.host,
+            scan,
+            listed=listed,
+            listed_source="npu-smi",
+            pod_names=self._pod_names,
+            exclude=(os.getpid(),),
+            read_commands=not ctx.redact_cmdlines,
         )
 
 

@@ -227,11 +227,13 @@ def collect_holders(
     pod_names: PodNames | None = None,
     exclude: Iterable[int] = (),
     known: Mapping[int, ProcessInfo] | None = None,
+    read_commands: bool = False,
 ) -> tuple[list[Holder], int]:
     """One Holder per live process among the sightings; (holders by pid, sightings whose process is gone).
 
     `known`: the processes the fd scan's scanners described (`described(scan)`); only the others (PIDs a tool
-    listed that the scan did not see) are read here."""
+    listed that the scan did not see) are read here, and their cmdline (a read that waits while the process's
+    mmap lock is held) only with `read_commands`, when the operator asked for command lines."""
     excluded = set(exclude)
     infos: dict[int, ProcessInfo | None] = dict(known or {})
     holders: dict[tuple[int, int], Holder] = {}
@@ -240,7 +242,7 @@ def collect_holders(
         if sighting.pid in excluded:
             continue
         if sighting.pid not in infos:
-            infos[sighting.pid] = process_info(proc, sighting.pid)
+            infos[sighting.pid] = process_info(proc, sighting.pid, with_command=read_commands)
         info = infos[sighting.pid]
         if info is None or (sighting.start_time is not None and info.start_time != sighting.start_time):
             vanished += 1  # exited (or the PID was reused) since it was seen; a tool's PID not visible here
@@ -330,6 +332,7 @@ def device_holders(
     listed_source: str = "",
     pod_names: PodNames | None = None,
     exclude: Iterable[int] = (),
+    read_commands: bool = False,
 ) -> HolderScan:
     """The holders a device scan found, merged with the PIDs a tool lists (pid → node names). A scan that could
     not run leaves the tool's list; one that is partial says what it missed."""
@@ -340,7 +343,8 @@ def device_holders(
         sightings.append(Sighting(match.pid, name or os.path.basename(match.target), "fd", match.start_time))
     for pid, things in (listed or {}).items():
         sightings.extend(Sighting(pid, thing, listed_source) for thing in sorted(things))
-    holders, vanished = collect_holders(host.proc, sightings, pod_names, exclude, described(result) if result else {})
+    known = described(result) if result else {}
+    holders, vanished = collect_holders(host.proc, sightings, pod_names, exclude, known, read_commands)
     return HolderScan(
         holders,
         vanished=vanished + (result.vanished if result else 0),
