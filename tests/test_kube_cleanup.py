@@ -52,19 +52,7 @@ def cluster(double: ApiDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     slot = json.dumps({"acquired_at": 1.0, "taints": "network=DnsFailed"})
     data = {"gpu-1": slot, "gone-node": slot}
     double.create("configmaps", BUDGET_NS, budget_configmap(data, {"nodes": 3, "counted_at": 1.0}))
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "double", "cluster": {"server": double.host}}],
-                "users": [{"name": "cleanup", "user": {"token": "t"}}],
-                "contexts": [{"name": "double", "context": {"cluster": "double", "user": "cleanup"}}],
-                "current-context": "double",
-            }
-        )
-    )
+    kubeconfig = double.write_kubeconfig(tmp_path / "kubeconfig", user="cleanup")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("POD_NAMESPACE", BUDGET_NS)
@@ -140,14 +128,7 @@ def test_one_node_and_its_slot_only(double: ApiDouble, cluster: Path, capsys: py
 def test_a_conflict_is_redone_on_the_new_version(
     double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fired: list[str] = []
-
-    def foreign_writer(method: str, path: str) -> None:
-        if path == "/api/v1/nodes/gpu-1" and not fired:
-            fired.append(path)
-            double.mutate("nodes", "", "gpu-1", lambda n: n["metadata"]["labels"].update({"late": "writer"}))
-
-    double.before_write = foreign_writer
+    double.foreign_write_before_ours("gpu-1", ("late", "writer"))
     code, lines, _ = run(capsys, "--node", "gpu-1", "--config", str(cluster))
     assert code == 0 and lines[0].startswith("node gpu-1: removed taint node-health/network")
     node = double.node("gpu-1")

@@ -91,14 +91,7 @@ def test_the_agents_role_is_exactly_what_it_calls(double: ApiDouble) -> None:
     everyone("ok")
     everyone("fail", "DnsFailed")  # a takes the slot (creating the ConfigMap, counting the nodes); b is refused
     assert our_taints(double.node("a")) and not our_taints(double.node("b"))
-    fired: list[bool] = []
-
-    def conflict_once(method: str, path: str) -> None:
-        if path == "/api/v1/nodes/a" and not fired:
-            fired.append(True)
-            double.mutate("nodes", "", "a", lambda n: n["metadata"]["labels"].update({"other": "writer"}))
-
-    double.before_write = conflict_once
+    double.foreign_write_before_ours("a")
     record(states["a"], "network", "network.dns", "ok")
     agents["a"].step()  # a recovers through a 409: reads again; gives its slot back
     double.before_write = None
@@ -121,14 +114,7 @@ def test_the_cleanup_jobs_role_is_exactly_what_cleanup_calls(double: ApiDouble, 
     double.add_node("b", conditions=[{"type": "NPUHealthy", "status": "False", "reason": "X"}])
     slot = json.dumps({"acquired_at": 0, "taints": "npu=X"})
     double.create("configmaps", BUDGET_NS, {"metadata": {"name": "node-health-budget"}, "data": {"a": slot}})
-    fired: list[bool] = []
-
-    def conflict_once(method: str, path: str) -> None:
-        if path == "/api/v1/nodes/a" and not fired:
-            fired.append(True)
-            double.mutate("nodes", "", "a", lambda n: n["metadata"]["labels"].update({"other": "writer"}))
-
-    double.before_write = conflict_once
+    double.foreign_write_before_ours("a")
     out: list[str] = []
     api = KubeApi(double.client, 5)
     assert cleanup(api, parse_config({}), None, False, out.append) == 0, out

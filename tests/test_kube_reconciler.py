@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from support.kube_double import ApiDouble
 from support.kube_helpers import (
     BUDGET_NS,
@@ -400,19 +399,7 @@ def test_api_faults_back_off_and_converge(double: ApiDouble) -> None:
 @pytest.mark.system
 def test_load_api_client_from_kubeconfig(double: ApiDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     double.add_node("n1")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "double", "cluster": {"server": double.host}}],
-                "users": [{"name": "me", "user": {"token": "t"}}],
-                "contexts": [{"name": "ctx", "context": {"cluster": "double", "user": "me"}}],
-                "current-context": "ctx",
-            }
-        )
-    )
+    kubeconfig = double.write_kubeconfig(tmp_path / "kubeconfig", user="me")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     double.token = "t"  # the kubeconfig's user token must reach the API on every call
     for config in (parse_config({"kubernetes": {"kubeconfig": str(kubeconfig)}}), None):

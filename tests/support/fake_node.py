@@ -253,19 +253,7 @@ class FakeNode:
             self._started.append(_Stoppable(self.api))
             self.api.add_node(self.node_name, labels={"node.kubernetes.io/instance-type": "fake-910b"})
             self.api.add_node("fake-node-2")
-            kubeconfig = work / "kubeconfig"
-            kubeconfig.write_text(
-                yaml.safe_dump(
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Config",
-                        "clusters": [{"name": "double", "cluster": {"server": self.api.host}}],
-                        "users": [{"name": "agent", "user": {"token": "fake"}}],
-                        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "agent"}}],
-                        "current-context": "double",
-                    }
-                )
-            )
+            kubeconfig = self.api.write_kubeconfig(work / "kubeconfig", token="fake")
             config["kubernetes"] = {
                 "enabled": True,
                 "kubeconfig": str(kubeconfig),

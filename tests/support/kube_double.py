@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -193,6 +194,22 @@ class ApiDouble:
     def client(self) -> kubernetes.client.ApiClient:
         return kubernetes.client.ApiClient(kubernetes.client.Configuration(host=self.host))
 
+    def write_kubeconfig(self, path: Path, user: str = "agent", token: str = "t") -> Path:
+        """A kubeconfig whose current context is this double, as `user` with a bearer `token`."""
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "double", "cluster": {"server": self.host}}],
+                    "users": [{"name": user, "user": {"token": token}}],
+                    "contexts": [{"name": "double", "context": {"cluster": "double", "user": user}}],
+                    "current-context": "double",
+                }
+            )
+        )
+        return path
+
     # --- faults --------------------------------------------------------------------------------
 
     def inject(
@@ -265,6 +282,18 @@ class ApiDouble:
             change(obj)
             validate_object(resource, obj)
             self._save(resource, namespace, name, obj)
+
+    def foreign_write_before_ours(self, node: str, label: tuple[str, str] = ("other", "writer")) -> None:
+        """Once, just before the next write to Node `node`, another writer sets `label` on it: that write then
+        conflicts (a strategic patch carrying the old resourceVersion gets 409)."""
+        fired: list[bool] = []
+
+        def interpose(method: str, path: str) -> None:
+            if path == f"/api/v1/nodes/{node}" and not fired:
+                fired.append(True)
+                self.mutate("nodes", "", node, lambda obj: obj["metadata"]["labels"].update({label[0]: label[1]}))
+
+        self.before_write = interpose
 
     def node_writes(self, node: str) -> list[Write]:
         pattern = re.compile(rf"^/api/v1/nodes/{re.escape(node)}(/status)?$")
