@@ -1,6 +1,6 @@
 # node-health agent image: Debian's python3 on debian:bookworm-slim, the package and its dependencies in a
 # venv (py-spy included), and nsenter (util-linux) to run host binaries such as npu-smi in the host's mount
-# namespace. Builds with podman, buildah or docker; docs/image.md says how, tests/test_image.py builds and runs it.
+# namespace. Builds with podman, buildah or docker; docs/image.md says how, tests/deploy/test_image.py builds and runs it.
 
 # Build stage: pip and venv from Debian; every dependency is a binary wheel, so no compiler is needed.
 FROM docker.io/library/debian:bookworm-slim AS build

@@ -8,7 +8,7 @@ every probe family given something real to look at.
   tool answers `-q` with the captured A100 output and the CSV queries the way driver 460 does; nvidia0..7
   device nodes exist.
 - pcie: a temporary /sys with a Huawei NPU function and its root port, AER counters and link files in the
-  kernel's formats (the layout of tests/test_pcie.py).
+  kernel's formats (the layout of tests/probes/pcie/test_pcie.py).
 - storage: `/` as an expected mount, free space of the temp dir, a write probe, a stale torch FileBaton lock.
 - network and time: a DNS server (dnslib), an HTTP egress target and an SNTP server, all on 127.0.0.1.
 - kernel.log: the real /dev/kmsg when it can be read, else an empty file.
@@ -56,7 +56,7 @@ HELD_DEVICE = "/dev/full"  # davinci0 shares its device number, so a holder can 
 DNS_NAME = "mirror.node-health.test"
 EGRESS_NAME = "mirror"
 
-# The PCI tree: NPU function 0000:01:00.0 below Huawei root port 0000:00:01.0 (cf. tests/test_pcie.py).
+# The PCI tree: NPU function 0000:01:00.0 below Huawei root port 0000:00:01.0 (cf. tests/probes/pcie/test_pcie.py).
 NPU_PCI_CHAIN = ["pci0000:00", "0000:00:01.0", "0000:01:00.0"]
 COR_NAMES = ["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF"]
 UNCOR_NAMES = ["Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP"]

@@ -7,7 +7,7 @@ taint-safety example and docs (docs/deployment.md) naming every category.
   tolerations example applied to sample device-plugin DaemonSets.
 - The shipped config (taken from the render) runs `node-health check` against a host root whose resolv.conf
   names a loopback DNS server that answers NXDOMAIN for cluster.local names, as datacenter resolvers do.
-The admission policy's CEL is evaluated in tests/test_admission_policy.py.
+The admission policy's CEL is evaluated in tests/deploy/test_admission_policy.py.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_daemonset_has_what_the_agent_needs() -> None:
 
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["ports"][0]["containerPort"] == 9100
-    # The figures follow the measurement (tests/test_resources.py); here: millicores and MiB, requests <= limits.
+    # The figures follow the measurement (tests/deploy/test_resources.py); here: millicores and MiB, requests <= limits.
     requests, limits = container["resources"]["requests"], container["resources"]["limits"]
     for key, unit in (("cpu", "m"), ("memory", "Mi")):
         assert requests[key].endswith(unit) and limits[key].endswith(unit), (requests, limits)
@@ -201,7 +201,7 @@ def test_daemonset_has_what_the_agent_needs() -> None:
 
 
 def test_rbac_has_no_wildcards_and_binds_the_agent() -> None:
-    # The exact verbs are proven against the calls the kube package makes (tests/test_kube_*.py).
+    # The exact verbs are proven against the calls the kube package makes (tests/kube/).
     for path in MANIFESTS:
         for doc in documents(path):
             for rule in doc.get("rules", []):

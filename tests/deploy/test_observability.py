@@ -10,7 +10,7 @@
   node-problem-detector's series out; the join queries of docs/observability.md return data; every core metric
   the page lists is exported and every agent-level metric exported is listed; every rule must evaluate without
   error; a fatal PCIe AER error the kernel counts on the fake node must end up as a firing alert.
-The runbook links and the page's tables against the rules: tests/test_observability_docs.py.
+The runbook links and the page's tables against the rules: tests/deploy/test_observability_docs.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
   docs/observability.md; every reason an alert's expression names is one a probe or the agent declares.
 - `render.py --runbook-base URL` prints rules that promtool accepts, with every link absolute.
 - The page's alert table, scrape config and family links say what the rules, promtool and the families say.
-The live checks (metrics, dashboard, joins) are in tests/test_observability.py.
+The live checks (metrics, dashboard, joins) are in tests/deploy/test_observability.py.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from support.pyprocs import FILE_BATON
-from support.system import fuse_capable, require, require_root, require_tool, wait_reaped
+from support.system import REPO, fuse_capable, require, require_root, require_tool, wait_reaped
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status
@@ -285,7 +285,7 @@ def test_a_container_filesystem_that_never_answers_is_mount_hung(tmp_path: Path)
     fuse_capable()
     # The container's /tmp is a fresh tmpfs, which hides a checkout under /tmp: the script is handed over as
     # an open file and run through /proc/self/fd, which reaches it whatever the mount namespace shows.
-    script = os.open(Path(__file__).parent / "support" / "fusefs.py", os.O_RDONLY)
+    script = os.open(REPO / "tests" / "support" / "fusefs.py", os.O_RDONLY)
     mounted = (
         "for i in $(seq 200); do grep -q ' /tmp/torch_extensions ' /proc/self/mountinfo && break; sleep 0.05; done"
         " && grep -q ' /tmp/torch_extensions ' /proc/self/mountinfo"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.pyprocs import BUSY, FILE_BATON, IDLE_LOOP, SOCKET_READ, SOFT_LOCK_POLL, child
-from support.system import require_root, require_tool
+from support.system import REPO, require_root, require_tool
 
 from agent.diagnose import format_diagnosis, main_diagnose
 from probes.runtime.pyspy import (
@@ -253,7 +253,7 @@ def test_cli_diagnose_end_to_end(py_spy: str, tmp_path: Path) -> None:
     build_directory = tmp_path / "ext"
     build_directory.mkdir()
     (build_directory / "lock").touch()
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     with child(FILE_BATON, "jit", str(build_directory)) as proc:
         diagnose_until(proc.pid, FILEBATON_WAIT)
         done = subprocess.run(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.system import REPO
 
 from agent.config import parse_config
 from agent.state import HealthState, ProbeSpec
@@ -413,7 +414,7 @@ def test_cli_check_json_on_a_sysfs_tree(tree: SysTree, tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(f"host: {{sys: {tree.root}}}\npcie: {{vendors: ['0x19e5']}}\nkubernetes: {{enabled: false}}\n")
     cli = [sys.executable, "-m", "agent.cli", "check", "--json", "--config", str(config), "--only", "pcie"]
-    result = subprocess.run(cli, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    result = subprocess.run(cli, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(result.stdout)
     assert document["ready"] is True
@@ -425,7 +426,7 @@ def test_cli_check_json_on_a_sysfs_tree(tree: SysTree, tmp_path: Path) -> None:
     assert {f["category"] for f in document["findings"]} == {"npu"}
 
     config.write_text("pcie: {vendors: [huawei]}\n")
-    result = subprocess.run(cli, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    result = subprocess.run(cli, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2
     assert "pcie.vendors" in result.stderr
 
