@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from agent.config import Config
 from agent.state import PARSE_ERROR, PROBE_ERROR, PROBE_TIMEOUT, HealthState, ProbeSpec
 from probes.base import Finding, Probe, ProbeContext, ProbeParseError, Sample, Status
+from probes.network.config import NetworkConfig
 from probes.runtime.host import Host
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,21 @@ def unknown_findings(probe: Probe, reason: str, message: str, hint: str) -> list
     return [Finding(check, "", Status.UNKNOWN, reason, message, hint) for check in probe.checks]
 
 
+def probe_context(host: Host, config: Config, timeout: float) -> ProbeContext:
+    """One run's context: what a probe needs of the agent's settings, as the context's typed fields."""
+    return ProbeContext(
+        host,
+        config,
+        timeout,
+        node_name=config.resolved_node_name,
+        redact_cmdlines=config.redact_cmdlines,
+        host_resolver=config.section(NetworkConfig).dns.host_resolver(),
+    )
+
+
 def execute(probe: Probe, host: Host, config: Config, timeout: float) -> tuple[str, list[Finding], list[Sample]]:
     """Run one probe once in the calling thread: (result, findings, samples). Never raises."""
-    ctx = ProbeContext(host, config, timeout)
+    ctx = probe_context(host, config, timeout)
     try:
         skip_reason = probe.applicable(ctx)
         if skip_reason:

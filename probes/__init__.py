@@ -39,8 +39,3 @@ def all_families() -> dict[str, Family]:
     """Every declared family by config key, in `config --defaults` order."""
     _discover()
     return dict(sorted(FAMILIES.items(), key=lambda item: (item[1].order, item[0])))
-
-
-def all_checks() -> dict[str, str]:
-    """Check name → probe name."""
-    return {check: name for name, cls in all_probes().items() for check in cls.checks}

@@ -16,11 +16,13 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from probes.runtime.resolver import HostResolverSettings
 
 if TYPE_CHECKING:
     from probes.runtime.host import Host
@@ -346,17 +348,36 @@ def family_of(probe_class: type[Probe]) -> Family | None:
 
 
 class ProbeContext:
-    """What a probe gets for one run: the host, the config in force, its deadline and the node's name."""
+    """What a probe gets for one run, set by the agent: the host, the config in force, the deadline, and the
+    facts of the agent's own settings a probe needs, as typed fields (a probe never reads agent settings).
 
-    def __init__(self, host: Host, config: Any, timeout: float, node_name: str = "") -> None:
+    - `host`: where the host's filesystems are (`ctx.host.paths`), host commands and child calls;
+    - `node_name`: the Kubernetes node this agent runs on ("" where none is known);
+    - `redact_cmdlines`: other tenants' command lines can hold secrets, so processes are named by PID,
+      executable and pod unless the operator opts in (config: redact_cmdlines: false);
+    - `host_resolver`: how the node's own resolver is set up (network.dns.nameservers, else the host's
+      resolv.conf), for every family that resolves a name the way the node does.
+
+    A family's own section is `ctx.settings(FamilyConfig)`.
+    """
+
+    def __init__(
+        self,
+        host: Host,
+        config: Any,
+        timeout: float,
+        *,
+        node_name: str = "",
+        redact_cmdlines: bool = True,
+        host_resolver: HostResolverSettings | None = None,
+    ) -> None:
         self.host = host
         self.config = config
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self.node_name = node_name or getattr(config, "resolved_node_name", "") or ""
-        # Other tenants' command lines can hold secrets: processes are named by PID, executable and pod
-        # unless the operator opts in (config: redact_cmdlines: false).
-        self.redact_cmdlines = bool(getattr(config, "redact_cmdlines", True))
+        self.node_name = node_name
+        self.redact_cmdlines = redact_cmdlines
+        self.host_resolver = host_resolver if host_resolver is not None else HostResolverSettings()
 
     def remaining(self, floor: float = 0.05) -> float:
         """Seconds left before the deadline (never below `floor`, so a last call still gets a chance)."""
@@ -417,9 +438,9 @@ class Probe(ABC):
     def applicable(self, ctx: ProbeContext) -> str | None:
         """Return why this probe does not apply to this host (→ skip), or None when it does."""
         family = family_of(type(self))
-        if family is None:
+        if family is None or not self.skip_when_empty:
             return None
-        section = getattr(ctx.config, family.key, None)
+        section = ctx.settings(family.config)
         for key in self.skip_when_empty:
             if not getattr(section, key, None):
                 return f"nothing configured in {family.key}.{key}"
@@ -446,10 +467,6 @@ def register(cls: type[Probe]) -> type[Probe]:
         raise ValueError(f"probe name {cls.name!r} registered twice ({existing.__name__}, {cls.__name__})")
     REGISTRY[cls.name] = cls
     return cls
-
-
-def reasons_by_code(reasons: Collection[Reason]) -> dict[str, Reason]:
-    return {reason.code: reason for reason in reasons}
 
 
 # Config field types shared by the families' models.

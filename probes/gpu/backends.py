@@ -22,7 +22,7 @@ from probes.gpu.nvml import NvmlUnavailable, library_loadable, read_nvml
 
 if TYPE_CHECKING:
     from probes.base import ProbeContext
-    from probes.runtime.host import CommandResult
+    from probes.runtime.commands import CommandResult
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
 # Lib dirs of a driver root, as the driver container lays them out (Debian/Ubuntu multiarch, RHEL lib64).

@@ -1,10 +1,15 @@
-"""Config of the host family (`host:`): where the host's filesystems are, host memory and /dev/shm."""
+"""Config of the host family (`host:`): where the host's filesystems are, host memory and /dev/shm.
+
+The first four keys (proc, sys, dev, root) are the probe runtime's `HostPaths`, which every family uses
+through `ctx.host`; they stay in this section, where operators have always written them.
+"""
 
 from __future__ import annotations
 
 from pydantic import Field
 
 from probes.base import Percent, Section
+from probes.runtime.paths import HostPaths
 
 
 class HostMemoryConfig(Section):
@@ -20,10 +25,6 @@ class HostShmConfig(Section):
     min_free_mib: float = Field(512, ge=0)
 
 
-class HostConfig(Section):
-    proc: str = "/proc"
-    sys: str = "/sys"
-    dev: str = "/dev"
-    root: str = "/"
+class HostConfig(HostPaths, Section):
     memory: HostMemoryConfig = HostMemoryConfig()
     shm: HostShmConfig = HostShmConfig()

@@ -25,7 +25,8 @@ from probes.base import (
     register,
 )
 from probes.host.config import HostConfig, HostMemoryConfig, HostShmConfig
-from probes.runtime.host import ChildResult, Host, statvfs_in_child
+from probes.runtime.children import ChildResult, statvfs_in_child
+from probes.runtime.host import Host
 
 MIB = 1024 * 1024
 

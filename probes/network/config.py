@@ -8,12 +8,13 @@ from pydantic import Field, field_validator, model_validator
 
 from probes.base import PositiveSeconds, Section
 from probes.runtime.addresses import split_host_port
+from probes.runtime.resolver import DEFAULT_TRY_SECONDS, HostResolverSettings
 
 
 class DnsConfig(Section):
     names: list[str] = []
     nameservers: list[str] = []  # "ip" or "ip:port"; empty: the host's resolv.conf
-    timeout_seconds: PositiveSeconds = 2.0  # per try, per nameserver
+    timeout_seconds: PositiveSeconds = DEFAULT_TRY_SECONDS  # per try, per nameserver
     lifetime_seconds: PositiveSeconds = 4.0  # per name, all tries (bounded by the probe's deadline)
     slow_seconds: PositiveSeconds = 0.5
     # Resolved only when the agent runs in a pod (KUBERNETES_SERVICE_HOST set), and only through the pod's
@@ -34,6 +35,11 @@ class DnsConfig(Section):
             except ValueError:
                 raise ValueError(f"{entry!r}: a nameserver must be an IP address, optionally with :port") from None
         return value
+
+    def host_resolver(self) -> HostResolverSettings:
+        """The node's own resolver as these settings set it up: the agent hands it to every probe (`time`
+        resolves NTP server names with it), so no other family reads this section."""
+        return HostResolverSettings(tuple(self.nameservers), "network.dns.nameservers", self.timeout_seconds)
 
 
 class EgressTarget(Section):

@@ -16,15 +16,15 @@ from typing import Any
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
 from probes.network.config import DnsConfig, NetworkConfig
-from probes.network.parallel import DEADLINE_EXCEEDED, check_end, run_parallel, seconds_until, wait_end
-from probes.network.resolver import (
+from probes.network.reasons import DEADLINE_EXCEEDED
+from probes.runtime.parallel import check_end, run_parallel, seconds_until, wait_end
+from probes.runtime.resolver import (
     DNS_KIND_TEXT,
     DNS_LIFETIME_HEADROOM,
     MIN_LIFETIME,
     DnsOutcome,
     ResolverSetup,
     in_kubernetes_pod,
-    make_resolver,
     pod_resolver,
     resolve_name,
 )
@@ -77,10 +77,10 @@ class Lookup:
 def lookups(ctx: ProbeContext, settings: DnsConfig) -> list[Lookup]:
     jobs: list[Lookup] = []
     if settings.names:
-        host_setup = make_resolver(ctx.host, settings)
+        host_setup = settings.host_resolver().setup(ctx.host.paths)
         jobs += [Lookup(name, host_setup, "host") for name in dict.fromkeys(settings.names)]
     if settings.cluster_names and in_kubernetes_pod():
-        pod_setup = pod_resolver(settings)
+        pod_setup = pod_resolver(settings.cluster_resolv_conf)
         cluster_only = [name for name in dict.fromkeys(settings.cluster_names) if name not in settings.names]
         jobs += [Lookup(name, pod_setup, "pod") for name in cluster_only]
     return jobs

@@ -14,8 +14,9 @@ from typing import Any
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
 from probes.network.config import EgressTarget, NetworkConfig
 from probes.network.egress_check import EGRESS_FAILURES, EgressResult, NameLookup, check_egress
-from probes.network.parallel import DEADLINE_EXCEEDED, check_end, run_parallel, seconds_until, wait_end
-from probes.network.resolver import ResolverSetup, make_resolver
+from probes.network.reasons import DEADLINE_EXCEEDED
+from probes.runtime.parallel import check_end, run_parallel, seconds_until, wait_end
+from probes.runtime.resolver import ResolverSetup
 
 EGRESS = Check("network.egress")
 
@@ -107,10 +108,12 @@ class EgressProbe(Probe):
         settings = ctx.settings(NetworkConfig)
         targets = settings.egress
 
-        def dns_setup() -> ResolverSetup:
-            return make_resolver(ctx.host, settings.dns)
+        resolver = settings.dns.host_resolver()
 
-        names = NameLookup(ctx.host.root_path("/etc/hosts"), dns_setup, settings.dns.timeout_seconds)
+        def dns_setup() -> ResolverSetup:
+            return resolver.setup(ctx.host.paths)
+
+        names = NameLookup(ctx.host.root_path("/etc/hosts"), dns_setup, resolver.try_seconds)
         end = check_end(ctx.deadline)
 
         def job(target: EgressTarget) -> Callable[[], EgressResult]:

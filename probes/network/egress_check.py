@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from probes.base import Reason, Status
-from probes.network.resolver import (
+from probes.runtime.addresses import split_host_port
+from probes.runtime.resolver import (
     DNS_KIND_TEXT,
     DNS_LIFETIME_HEADROOM,
     MIN_LIFETIME,
@@ -30,7 +31,6 @@ from probes.network.resolver import (
     parse_hosts_file,
     resolve_name,
 )
-from probes.runtime.addresses import split_host_port
 
 if TYPE_CHECKING:
     from probes.network.config import EgressTarget

@@ -1,5 +1,5 @@
 """npu-smi detail outputs: `info -m` (card/chip → logical and physical ids) and the `key : value` outputs of
-`info -t TYPE` (health, usages, proc-mem). Pure functions of text."""
+`info -t TYPE` (health, proc-mem). Pure functions of text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from probes.npu.info_table import NpuChip, NpuProcess, NpuSmiParseError, is_missing, parse_float, parse_int
+from probes.npu.info_table import NpuChip, NpuProcess, NpuSmiParseError, is_missing, parse_int
 
 
 @dataclass(frozen=True)
@@ -151,37 +151,6 @@ def parse_health(text: str) -> HealthDetail:
     if health is None:
         raise NpuSmiParseError("no Health Status in the health output")
     return HealthDetail(health, codes, tuple(information))
-
-
-def parse_usages(text: str) -> dict[int, dict[str, float | None]]:
-    """`npu-smi info -t usages -i N` → {chip id: {label: number}} (labels as printed, e.g. `HBM Usage Rate(%)`).
-
-    Each chip block ends with its `Chip ID` line; output without one (950) is chip 0.
-    """
-    blocks: dict[int, dict[str, float | None]] = {}
-    current: dict[str, float | None] = {}
-    for key, value in parse_key_values(text):
-        if key in ("NPU ID", "Chip Count"):
-            parse_int(value, f"usages {key}", required=True)
-            continue
-        if key == "Chip ID":
-            chip = parse_int(value, "usages Chip ID", required=True)
-            assert chip is not None
-            if chip in blocks:
-                raise NpuSmiParseError(f"usages: chip {chip} listed twice")
-            blocks[chip] = current
-            current = {}
-            continue
-        if key == "":
-            raise NpuSmiParseError(f"usages: unexpected continuation line {value[:60]!r}")
-        current[key] = parse_float(value, f"usages {key}")
-    if current:
-        if 0 in blocks:
-            raise NpuSmiParseError("usages: values after the last Chip ID line")
-        blocks[0] = current
-    if not blocks:
-        raise NpuSmiParseError("usages output has no values")
-    return blocks
 
 
 _PROC_MEM_LINE = re.compile(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from probes.base import ProbeContext
     from probes.npu.config import NpuConfig
-    from probes.runtime.host import CommandResult
+    from probes.runtime.commands import CommandResult
 
 # Where npu-smi lives on Ascend hosts, for a command run in the host's mount namespace (nsenter ... --).
 HOST_BIN_DIRS = ("/usr/local/bin", "/usr/local/sbin", "/usr/bin", "/usr/sbin", "/bin", "/sbin")

@@ -1,12 +1,20 @@
 """The probe runtime: what probes use to reach the host safely.
 
-- `host`: where the host's /proc, /sys, /dev and root are; host commands with a hard deadline; filesystem
-  calls in forked children with a deadline.
-- `procfs`: /proc scanning (open files by device number, cgroup → pod classification).
-- `fdscan`: the /proc/*/fd scan itself, in forked scanners that a hung filesystem cannot block.
+- `host`: `Host`, the one object a probe reaches the host through (`ctx.host`).
+- `paths`: where the host's /proc, /sys, /dev and root are (`HostPaths`, the `host:` section's first keys),
+  and host paths joined under them without `..` climbing out.
+- `commands`: host commands with a hard deadline and a cap on their output.
+- `children`: filesystem calls in forked children with a deadline, at most one in flight per key.
+- `procfs`: /proc reading (process info, cgroup → pod classification, device numbers); `procstat`: the one
+  /proc/PID/stat parser.
+- `fdscan`: the /proc/*/fd scan, in forked scanners that a hung filesystem cannot block; `fdtable`: what a
+  scanner reads, one process's fd table after another.
 - `holders`: who holds a device node or port, in which pod, and how to stop it (npu, gpu, ports).
 - `pyspy`: py-spy stack dumps and their classification (FileBaton wait, lock wait, idle loop, ...).
-- `addresses`: host:port parsing shared by config models.
+- `resolver`: name resolution against the host's or the pod's resolver, from plain values; `parallel`: the
+  independent checks of one probe run in threads, under its deadline.
+- `addresses`: host:port parsing shared by config models; `inventory`: which accelerator is on which PCI
+  function.
 
-Nothing here knows of findings, HTTP or Kubernetes, and nothing here imports `agent`.
+Nothing here knows of findings, HTTP or Kubernetes (nothing imports `probes.base`), and nothing imports `agent`.
 """

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from probes.runtime.fdscan import shortfall
 from probes.runtime.procfs import (
     CgroupOwner,
     ProcessInfo,
@@ -277,14 +278,7 @@ class HolderScan:
 
     def shortfall(self) -> str:
         """What was not seen, for messages; "" when the scan is complete."""
-        if self.error:
-            return self.error
-        parts = [f"PID {p.pid} ({p.comm or '?'}): {p.why}" for p in self.unreadable[:3]]
-        if len(self.unreadable) > 3:
-            parts.append(f"{len(self.unreadable) - 3} more processes unreadable")
-        if self.unscanned:
-            parts.append(f"{self.unscanned} processes not reached before the deadline")
-        return "; ".join(parts)
+        return self.error or shortfall(self.unreadable, self.unscanned)
 
     def observed(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -2,12 +2,13 @@
 
 - `classify_cgroup`: /proc/PID/cgroup text → pod / container / service / session / host, for cgroup v1
   and v2, the cgroupfs and systemd drivers, and paths seen from a private cgroup namespace (`/../`).
-- `process_info` / `parse_process_info`: pid, start time (field 22 of /proc/PID/stat; pids are reused, so
-  results are keyed by (pid, start_time)), command and cgroup owner; `described`: the same for the processes
-  an fd scan found, from the texts its scanner read.
+- `process_info` / `parse_process_info`: pid, start time (field 22 of /proc/PID/stat, parsed by
+  `probes.runtime.procstat`; pids are reused, so results are keyed by (pid, start_time)), command and cgroup
+  owner; `described`: the same for the processes an fd scan found, from the texts its scanner read.
 - `device_rdevs`: the device numbers of the nodes a glob names under a dev dir.
-- `scan_open_files` (from `probes.runtime.fdscan`, re-exported here): one pass over every /proc/*/fd that
-  a hung filesystem cannot block.
+- `scan_open_files` (from `probes.runtime.fdscan`, re-exported here with the scan's results and errors, and
+  `list_pids` and `scan_in_process` from `probes.runtime.fdtable`): one pass over every /proc/*/fd that a hung
+  filesystem cannot block.
 """
 
 from __future__ import annotations
@@ -21,25 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from probes.runtime.fdscan import (
-    AT_STATX_DONT_SYNC,
     SCAN_KEY,
-    STATX_AVAILABLE,
     FdMatch,
-    ProcessTexts,
     ScanError,
     ScanResult,
     ScanTimeout,
     UnreadableProcess,
     lingering_scanners,
-    list_pids,
-    parse_start_time,
-    parse_stat,
-    scan_in_process,
     scan_open_files,
 )
+from probes.runtime.fdtable import STATX_AVAILABLE, ProcessTexts, list_pids, scan_in_process
+from probes.runtime.procstat import parse_stat
 
 __all__ = [
-    "AT_STATX_DONT_SYNC",
     "SCAN_KEY",
     "STATX_AVAILABLE",
     "CgroupOwner",
@@ -59,8 +54,6 @@ __all__ = [
     "lingering_scanners",
     "list_pids",
     "parse_process_info",
-    "parse_start_time",
-    "parse_stat",
     "process_info",
     "scan_in_process",
     "scan_open_files",
@@ -251,7 +244,7 @@ def process_info(proc: Path, pid: int, with_command: bool = True) -> ProcessInfo
     info = parse_process_info(pid, (stat_text, cgroup_text, status_text, cmdline))
     # A pid reused between the reads would mix two processes: re-check the start time.
     try:
-        if info is None or parse_start_time((base / "stat").read_text(errors="replace")) != info.start_time:
+        if info is None or parse_stat((base / "stat").read_text(errors="replace")).start_time != info.start_time:
             return None
     except (OSError, ValueError):
         return None
@@ -263,10 +256,10 @@ def parse_process_info(pid: int, texts: ProcessTexts) -> ProcessInfo | None:
     process that is exiting). Without a cmdline the command is `[comm]`."""
     stat_text, cgroup_text, status_text, cmdline = texts
     try:
-        comm, _ = parse_stat(stat_text)
-        start_time = parse_start_time(stat_text)
+        stat_fields = parse_stat(stat_text)
     except ValueError:
         return None
+    comm, start_time = stat_fields.comm, stat_fields.start_time
     # One line for messages: NULs between arguments, and newlines inside them, become single spaces.
     command = " ".join((cmdline or b"").decode("utf-8", "replace").replace("\0", " ").split())[:256]
     uid: int | None = None

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from probes.runtime.host import run_command
+from probes.runtime.commands import run_command
+from probes.runtime.procstat import state_of
 
 REASON_FILEBATON = "ProcessWaitingOnFileBaton"
 
@@ -346,11 +347,8 @@ def _kernel_wait(proc: Path, pid: int, tid: int | None) -> tuple[str, str]:
         return "", ""
     task = proc / str(pid) / "task" / str(tid)
     state = wchan = ""
-    try:
-        stat = (task / "stat").read_text()
-        state = stat.rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        pass
+    with contextlib.suppress(OSError):
+        state = state_of((task / "stat").read_text(errors="replace"))
     with contextlib.suppress(OSError):
         wchan = (task / "wchan").read_text().strip()
     return state, "" if wchan == "0" else wchan

@@ -1,5 +1,5 @@
 """What the storage probes share: the reasons of a filesystem call that hung or failed, child calls run side
-by side within the probe's deadline, and small helpers (errno labels, path normalisation, safe text).
+by side within the probe's deadline, and small helpers (errno labels, path containment, safe text).
 
 Every call that touches a possibly shared filesystem runs in a forked child with a deadline
 (`ctx.host.child_call`, at most one child in flight per key). The functions named `*_in_child` run
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from probes.base import Check, Finding, ProbeContext, Reason, Status
-from probes.runtime.host import ChildResult
+from probes.runtime.children import ChildResult
+from probes.runtime.paths import normalize_host_path
 
 HINT_FULL = "clean caches and old checkpoints (du -xsh PATH/* | sort -h), or grow the disk"
 HINT_INODES = "millions of small files: remove extracted datasets or caches with many files, or grow the inode table"
@@ -155,13 +156,9 @@ def errno_label(number: int | None) -> str:
     return f"{name} (errno {number}, {os.strerror(number)})"
 
 
-def normalize_path(path: str) -> str:
-    return os.path.normpath("/" + path.lstrip("/")) if path else "/"
-
-
 def path_is_under(path: str, top: str) -> bool:
     """Whether `path` is `top` or below it (both normalised; no filesystem access)."""
-    path, top = normalize_path(path), normalize_path(top)
+    path, top = normalize_host_path(path), normalize_host_path(top)
     return top == "/" or path == top or path.startswith(top + "/")
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from probes.base import ProbeParseError
-from probes.storage.common import normalize_path
+from probes.runtime.paths import normalize_host_path
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def parse_proc_locks(text: str) -> list[LockRecord]:
 
 def split_glob(pattern: str) -> tuple[str, str]:
     """`/a/b/*/x/lock` → (`/a/b`, `*/x/lock`): the non-wildcard root, and the rest (never empty)."""
-    parts = normalize_path(pattern).split("/")[1:]
+    parts = normalize_host_path(pattern).split("/")[1:]
     fixed: list[str] = []
     for part in parts[:-1]:
         if glob.has_magic(part):

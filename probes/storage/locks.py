@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probes.base import Finding, Probe, ProbeContext, ProbeOutput, ProbeParseError, Sample, register
-from probes.runtime.host import ChildResult
+from probes.runtime.children import ChildResult
 from probes.runtime.procfs import ScanError, scan_open_files
 from probes.storage.common import (
     CHILD_REASONS,

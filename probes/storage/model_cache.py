@@ -9,11 +9,11 @@ import re
 from typing import Any
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
+from probes.runtime.paths import normalize_host_path
 from probes.storage.common import (
     CHILD_REASONS,
     ChildCall,
     child_error_finding,
-    normalize_path,
     path_is_under,
     run_child_calls,
 )
@@ -176,7 +176,7 @@ def unmounted_share_finding(
     shares = [mount for mount in settings.mounts if path_is_under(spec.cache_dir, mount.path)]
     if not shares:
         return None
-    share = max(shares, key=lambda mount: len(normalize_path(mount.path)))
+    share = max(shares, key=lambda mount: len(normalize_host_path(mount.path)))
     problem = mount_table_finding(share, mount_at(table, share.path))
     if problem is None:
         return None

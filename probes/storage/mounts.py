@@ -8,7 +8,8 @@ import os
 from typing import Any
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
-from probes.storage.common import CHILD_REASONS, ChildCall, child_error_finding, normalize_path, run_child_calls
+from probes.runtime.paths import normalize_host_path
+from probes.storage.common import CHILD_REASONS, ChildCall, child_error_finding, run_child_calls
 from probes.storage.config import MountSpec, StorageConfig
 from probes.storage.mounttable import MountEntry, mount_at, read_mount_table
 
@@ -79,7 +80,7 @@ class MountsProbe(Probe):
                 to_probe.append((spec, entry))
         calls = [
             ChildCall(
-                f"mount:{normalize_path(spec.path)}",
+                f"mount:{normalize_host_path(spec.path)}",
                 stat_and_list_in_child,
                 (str(ctx.host.root_path(spec.path)),),
                 settings.mount_timeout_seconds,

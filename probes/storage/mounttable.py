@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from probes.base import ProbeContext, ProbeParseError
-from probes.storage.common import normalize_path
+from probes.runtime.paths import normalize_host_path
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
@@ -87,7 +87,7 @@ def read_mount_table(ctx: ProbeContext, pid: int = 1) -> list[MountEntry]:
 
 def mount_at(entries: Sequence[MountEntry], path: str) -> MountEntry | None:
     """The mount visible at exactly `path` (the last one mounted there: mounts stack)."""
-    wanted = normalize_path(path)
+    wanted = normalize_host_path(path)
     found = None
     for entry in entries:
         if entry.mount_point == wanted:
@@ -98,7 +98,7 @@ def mount_at(entries: Sequence[MountEntry], path: str) -> MountEntry | None:
 def mount_containing(entries: Sequence[MountEntry], path: str, dev: int | None = None) -> MountEntry | None:
     """The mount a path lives on: by device number when one mount under the path's prefix has it, else the
     longest mount point that is a prefix of the path (the last mounted wins)."""
-    wanted = normalize_path(path)
+    wanted = normalize_host_path(path)
 
     def is_prefix(point: str) -> bool:
         return point == "/" or wanted == point or wanted.startswith(point + "/")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
-from probes.runtime.host import statvfs_in_child
+from probes.runtime.children import statvfs_in_child
+from probes.runtime.paths import normalize_host_path
 from probes.storage.common import (
     CHILD_REASONS,
     DISK_FULL,
@@ -12,7 +13,6 @@ from probes.storage.common import (
     INODES_EXHAUSTED,
     ChildCall,
     child_error_finding,
-    normalize_path,
     run_child_calls,
 )
 from probes.storage.config import SpaceSpec, StorageConfig
@@ -91,7 +91,7 @@ class SpaceProbe(Probe):
         settings = ctx.settings(StorageConfig)
         calls = [
             ChildCall(
-                f"statvfs:{normalize_path(spec.path)}",
+                f"statvfs:{normalize_host_path(spec.path)}",
                 statvfs_in_child,
                 (str(ctx.host.root_path(spec.path)),),
                 settings.space_timeout_seconds,

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from probes.base import Finding, ProbeContext, Reason, Status
+from probes.runtime.paths import join_under
 from probes.runtime.procfs import list_pids, process_info
+from probes.runtime.procstat import state_of
 from probes.runtime.pyspy import FILEBATON_WAIT, LOCK_WAIT, PY_SPY_NOT_FOUND, diagnose
 from probes.storage.common import MIN_CHILD_SECONDS, safe_text
 from probes.storage.containers import HostNamespace, read_namespace
@@ -46,12 +48,6 @@ _POLLING_STATES = ("S", "R")
 _DENIED = ("permission denied", "operation not permitted")
 
 
-def _state(stat_text: str) -> str:
-    """The state letter of a /proc/PID/stat line ("" when unreadable); comm may hold ')', so split at the last."""
-    fields = stat_text.rpartition(")")[2].split()
-    return fields[0] if fields else ""
-
-
 @dataclass(frozen=True)
 class StaleLock:
     """A stale lock a process may wait on, and the subject its waiters are reported under."""
@@ -82,7 +78,7 @@ def lock_waiter_candidates(proc: Any, limit: int, prefer: Collection[str] = ()) 
         comm = read_text_or_empty(os.path.join(proc, str(pid), "comm")).strip()
         if not comm.startswith(_PYTHON_COMMS):
             continue
-        if _state(read_text_or_empty(os.path.join(proc, str(pid), "stat"))) not in _POLLING_STATES:
+        if state_of(read_text_or_empty(os.path.join(proc, str(pid), "stat"))) not in _POLLING_STATES:
             continue  # a zombie, a stopped process, or one in uninterruptible I/O polls nothing
         wchan = read_text_or_empty(os.path.join(proc, str(pid), "wchan")).strip()
         if wchan not in _SLEEP_WCHANS:
@@ -129,7 +125,10 @@ def match_waited_lock(
     if timeout < MIN_CHILD_SECONDS:
         return None
     result = ctx.host.child_call(
-        f"locks-waiter:{pid}", stat_key_in_child, str(ctx.host.proc_path(pid, "root")) + waited, timeout=timeout
+        f"locks-waiter:{pid}",
+        stat_key_in_child,
+        str(join_under(ctx.host.proc_path(pid, "root"), waited)),
+        timeout=timeout,
     )
     return next((lock for lock in host_locks if result.ok and result.value == lock.inode_key), None)
 

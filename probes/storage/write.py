@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
+from probes.runtime.paths import normalize_host_path
 from probes.storage.common import (
     CHILD_REASONS,
     DISK_FULL,
@@ -23,7 +24,6 @@ from probes.storage.common import (
     ChildCall,
     child_error_finding,
     errno_label,
-    normalize_path,
     run_child_calls,
 )
 from probes.storage.config import StorageConfig, WriteProbeSpec
@@ -198,7 +198,7 @@ class WriteProbe(Probe):
         file_name = write_probe_file_name(ctx.node_name)
         calls = [
             ChildCall(
-                f"write:{normalize_path(spec.path)}",
+                f"write:{normalize_host_path(spec.path)}",
                 write_probe_in_child,
                 (str(ctx.host.root_path(spec.path)), file_name, spec.uid, spec.gid, spec.bytes),
                 settings.write_timeout_seconds,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import glob
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from probes.runtime.addresses import split_host_port
+from probes.runtime.paths import HostPaths
 
 CONFIGURED = "time.ntp_servers"
 MAX_DISCOVERED = 8  # a pool line may be followed by many more; a handful judges the clock
@@ -119,12 +120,12 @@ def parse_timesyncd_conf(text: str, current: dict[str, list[str]]) -> None:
 class _HostFiles:
     """Reads host files under host.root, noting what it read and what it could not."""
 
-    def __init__(self, root_path: Callable[[str], Path], sources: NtpSources) -> None:
-        self.root_path = root_path
+    def __init__(self, paths: HostPaths, sources: NtpSources) -> None:
+        self.paths = paths
         self.sources = sources
 
     def read(self, host_path: str) -> str | None:
-        path = self.root_path(host_path)
+        path = self.paths.root_path(host_path)
         try:
             text = path.read_text(errors="replace")
         except FileNotFoundError:
@@ -137,9 +138,8 @@ class _HostFiles:
 
     def glob(self, host_pattern: str) -> list[str]:
         """Host paths matching a host glob pattern, sorted."""
-        root = str(self.root_path("/")).rstrip("/")
-        matches = sorted(glob.glob(str(self.root_path(host_pattern))))
-        return ["/" + match[len(root) :].lstrip("/") for match in matches]
+        matches = sorted(glob.glob(str(self.paths.root_path(host_pattern))))
+        return [self.paths.host_path(match) for match in matches]
 
 
 def _chrony_included(files: _HostFiles, keyword: str, arguments: list[str]) -> list[str]:
@@ -218,7 +218,7 @@ def _unique(servers: Iterable[NtpServer]) -> list[NtpServer]:
     return list(seen.values())[:MAX_DISCOVERED]
 
 
-def ntp_sources(configured: list[str], root_path: Callable[[str], Path]) -> NtpSources:
+def ntp_sources(configured: list[str], paths: HostPaths) -> NtpSources:
     """The servers to measure against and where they came from."""
     if configured:
         servers = []
@@ -227,7 +227,7 @@ def ntp_sources(configured: list[str], root_path: Callable[[str], Path]) -> NtpS
             servers.append(NtpServer(entry, host, port, CONFIGURED))
         return NtpSources(servers, CONFIGURED)
     sources = NtpSources([], "")
-    files = _HostFiles(root_path, sources)
+    files = _HostFiles(paths, sources)
     for origin, read in (("chrony", chrony_servers), ("ntpd", ntpd_servers), ("systemd-timesyncd", timesyncd_servers)):
         found = _unique(read(files))
         if found:

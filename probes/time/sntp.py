@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from probes.network.resolver import (
+from probes.runtime.resolver import (
     DNS_KIND_TEXT,
     DNS_LIFETIME_HEADROOM,
     MIN_LIFETIME,

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from probes.base import PARSE_ERROR, Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
-from probes.network.config import NetworkConfig
-from probes.network.parallel import run_parallel
-from probes.network.resolver import ResolverSetup, is_ip_address, make_resolver
+from probes.runtime.parallel import run_parallel
+from probes.runtime.resolver import ResolverSetup, is_ip_address
 from probes.time.chrony import chrony_tracking
 from probes.time.config import TimeConfig
 from probes.time.kernel_clock import KernelClock, read_kernel_clock
@@ -192,7 +191,7 @@ class TimeProbe(Probe):
 
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(TimeConfig)
-        sources = ntp_sources(list(settings.ntp_servers), ctx.host.root_path)
+        sources = ntp_sources(list(settings.ntp_servers), ctx.host.paths)
         results = self._query(ctx, sources)
         answered = {r.server.entry: r.answer.offset for r in results if r.answer is not None}
         verdicts = judge_offsets(answered, settings.warn_offset_seconds, settings.fail_offset_seconds)
@@ -216,19 +215,19 @@ class TimeProbe(Probe):
     def _query(self, ctx: ProbeContext, sources: NtpSources) -> list[ServerResult]:
         """Every server in parallel, each bounded by ntp_timeout_seconds cut to what the run has left."""
         settings = ctx.settings(TimeConfig)
-        dns_settings = ctx.settings(NetworkConfig).dns
+        host_resolver = ctx.host_resolver  # the node's own resolver, set by the agent from network.dns
         resolver: list[ResolverSetup] = []
 
         def dns_setup() -> ResolverSetup:
             if not resolver:
-                resolver.append(make_resolver(ctx.host, dns_settings))
+                resolver.append(host_resolver.setup(ctx.host.paths))
             return resolver[0]
 
         if any(not is_ip_address(server.host) for server in sources.servers):
             dns_setup()  # once, before the threads
         budget = max(0.1, min(settings.ntp_timeout_seconds, ctx.remaining() - QUERY_MARGIN))
         jobs = [
-            (lambda server=server: query_server(server, budget, dns_setup, dns_settings.timeout_seconds))
+            (lambda server=server: query_server(server, budget, dns_setup, host_resolver.try_seconds))
             for server in sources.servers
         ]
         results = run_parallel(jobs, min(budget + 0.5, ctx.remaining() - QUERY_MARGIN / 3))

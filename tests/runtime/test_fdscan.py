@@ -29,15 +29,15 @@ from probes.runtime.procfs import (
     described,
     device_rdevs,
     lingering_scanners,
-    parse_start_time,
     process_info,
     scan_in_process,
     scan_open_files,
 )
+from probes.runtime.procstat import parse_stat
 
 
 def _start_time(pid: int) -> int:
-    return parse_start_time(Path(f"/proc/{pid}/stat").read_text())
+    return parse_stat(Path(f"/proc/{pid}/stat").read_text()).start_time
 
 
 HOLDER = r"""

@@ -37,10 +37,9 @@ from probes.runtime.procfs import (
     classify_cgroup,
     classify_cgroup_path,
     device_rdevs,
-    parse_start_time,
-    parse_stat,
     process_info,
 )
+from probes.runtime.procstat import parse_stat, state_of
 
 UID = "1f0e7c2a-3b4d-4e5f-8a9b-0c1d2e3f4a5b"
 UID_ = UID.replace("-", "_")
@@ -217,14 +216,15 @@ def test_parse_stat_with_spaces_and_parentheses_in_comm() -> None:
     line = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10 " + " ".join(
         ["0"] * 30
     )
-    comm, rest = parse_stat(line)
-    assert comm == "a) b (c)"
-    assert rest[0] == "S"
-    assert parse_start_time(line) == 987654
+    parsed = parse_stat(line)
+    assert parsed.comm == "a) b (c)"
+    assert parsed.state == "S" and state_of(line) == "S"
+    assert parsed.start_time == 987654
     with pytest.raises(ValueError):
-        parse_start_time("4242 (x) S 1 2")
+        parse_stat("4242 (x) S 1 2")
     with pytest.raises(ValueError):
         parse_stat("no parens here")
+    assert state_of("") == "" and state_of("no parens here") == ""
 
 
 @pytest.fixture
@@ -245,7 +245,7 @@ def _mknod_copy(source: str, target: Path) -> int:
 
 
 def _start_time(pid: int) -> int:
-    return parse_start_time(Path(f"/proc/{pid}/stat").read_text())
+    return parse_stat(Path(f"/proc/{pid}/stat").read_text()).start_time
 
 
 def test_process_info_of_real_child(child: subprocess.Popen[bytes]) -> None:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from support.system import REPO, require_root, require_tool
 
-from probes.runtime.host import ChildCalls, lingering_commands, run_command, statvfs_in_child
+from probes.runtime.children import ChildCalls, statvfs_in_child
+from probes.runtime.commands import lingering_commands, run_command
 
 
 def alive(pid: int) -> bool:
@@ -143,7 +144,7 @@ FLOOD_TOOL = textwrap.dedent(
 MEASURE_RSS = textwrap.dedent(
     """
     import json, sys
-    from probes.runtime.host import run_command
+    from probes.runtime.commands import run_command
 
     def peak_kib():
         for line in open("/proc/self/status"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.runtime.host import ChildCalls
+from probes.runtime.children import ChildCalls
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"

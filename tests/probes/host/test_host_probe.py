@@ -22,7 +22,8 @@ from probes.base import (
     Status,
 )
 from probes.host.host import HostProbe, parse_meminfo
-from probes.runtime.host import ChildCalls, Host
+from probes.runtime.children import ChildCalls
+from probes.runtime.host import Host
 
 MEMINFO = """MemTotal:       65536000 kB
 MemFree:         1000000 kB

@@ -16,8 +16,8 @@ from agent.config import ConfigError, parse_config
 from agent.scheduler import execute
 from probes.base import Finding, ProbeContext, Sample, Status
 from probes.network.dns import DnsProbe
-from probes.network.resolver import parse_hosts_file
 from probes.runtime.host import Host
+from probes.runtime.resolver import parse_hosts_file
 
 ZONE = {"mirror.test": "127.0.0.1", "github.test": "127.0.0.9"}
 

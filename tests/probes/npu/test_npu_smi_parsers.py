@@ -17,12 +17,11 @@ from probes.npu.details import (
     parse_key_values,
     parse_mapping,
     parse_proc_mem,
-    parse_usages,
     resolve_ids,
 )
 from probes.npu.info_table import NpuInfo, NpuSmiParseError, parse_info
 from probes.npu.smi import classify_failure
-from probes.runtime.host import CommandResult
+from probes.runtime.commands import CommandResult
 
 NPU_FIXTURES = FIXTURES / "npu-smi"
 
@@ -303,24 +302,6 @@ def test_health_rejects_non_hex_codes() -> None:
         parse_health("\tHealth Status : Alarm\n\tError Code : A4025021 zz\n")
 
 
-def test_usages_910a() -> None:
-    usages = parse_usages(fixture("910a-t-usages-i0-faultdiag.txt"))
-    assert list(usages) == [0]
-    assert usages[0]["HBM Capacity(MB)"] == 31129 and usages[0]["DDR Capacity(MB)"] == 13553
-    assert usages[0]["DDR Usage Rate(%)"] == 6 and usages[0]["Aicore Usage Rate(%)"] == 0
-
-
-def test_usages_910b_25_5_has_npu_utilization() -> None:
-    usages = parse_usages(fixture("910b-t-usages-i0-25.5.1-yunion-telegraf.txt"))
-    assert usages[0]["HBM Capacity(MB)"] == 65536 and usages[0]["HBM Usage Rate(%)"] == 5
-    assert usages[0]["NPU Utilization(%)"] == 0 and usages[0]["Ctrlcpu Usage Rate(%)"] == 6
-
-
-def test_usages_950_without_chip_id() -> None:
-    usages = parse_usages(fixture("950-docexample-t-usages-i0.txt"))
-    assert usages[0]["HBM Capacity(MB)"] == 131072 and usages[0]["Ctrlcpu Usage Rate(%)"] == 40
-
-
 def test_proc_mem_950() -> None:
     processes = parse_proc_mem(fixture("950-docexample-t-proc-mem-i0.txt"))
     assert [(p.pid, p.name, p.memory_mib) for p in processes] == [(395864, "power_test", 5118)]
@@ -352,6 +333,9 @@ def test_proc_mem_rejects_unsupported_message() -> None:
         ("950-docexample-t-ecc-i0.txt", "HBM Double Bit Next-Isolated Pages Count", "0"),
         ("950-docexample-t-memory-i0.txt", "HBM Capacity(MB)", "131072"),
         ("950-docexample-t-current-fault-event-i0.txt", "Fault Event Count", "1"),
+        ("910a-t-usages-i0-faultdiag.txt", "HBM Capacity(MB)", "31129"),
+        ("910b-t-usages-i0-25.5.1-yunion-telegraf.txt", "HBM Usage Rate(%)", "5"),
+        ("950-docexample-t-usages-i0.txt", "Ctrlcpu Usage Rate(%)", "40"),
     ],
 )
 def test_other_key_value_outputs(name: str, key: str, value: str) -> None:
@@ -422,7 +406,7 @@ def _all_texts() -> list[str]:
 
 
 TEXTS = _all_texts()
-PARSERS = (parse_info, parse_mapping, parse_health, parse_usages, parse_proc_mem, parse_key_values)
+PARSERS = (parse_info, parse_mapping, parse_health, parse_proc_mem, parse_key_values)
 
 
 @st.composite

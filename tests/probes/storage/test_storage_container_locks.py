@@ -24,8 +24,10 @@ from support.pyprocs import FILE_BATON
 from support.system import REPO, fuse_capable, require, require_root, require_tool, wait_reaped
 
 from agent.config import parse_config
-from probes.base import Finding, ProbeContext, Sample, Status
-from probes.runtime.host import ChildCalls, Host
+from agent.scheduler import probe_context
+from probes.base import Finding, Sample, Status
+from probes.runtime.children import ChildCalls
+from probes.runtime.host import Host
 from probes.storage.locks import LocksProbe
 
 HOUR = 3600.0
@@ -118,7 +120,7 @@ def run_locks(
     """One run over the containers only (no host globs), as the daemon would run it."""
     settings = {"lock_globs": [], "stale_lock_age_seconds": HOUR, **storage}
     config = parse_config({"storage": settings, "redact_cmdlines": redact})
-    output = (probe or LocksProbe()).run(ProbeContext(host or Host(), config, 20.0))
+    output = (probe or LocksProbe()).run(probe_context(host or Host(), config, 20.0))
     return {f.subject: f for f in output if isinstance(f, Finding)}, [s for s in output if isinstance(s, Sample)]
 
 

@@ -18,7 +18,8 @@ from support.system import fuse_capable, wait_reaped
 from agent.config import parse_config
 from agent.scheduler import execute
 from probes.base import Finding, Probe, Status
-from probes.runtime.host import ChildCalls, Host
+from probes.runtime.children import ChildCalls
+from probes.runtime.host import Host
 from probes.storage.locks import LocksProbe
 from probes.storage.model_cache import ModelCacheProbe
 from probes.storage.mounts import MountsProbe

@@ -14,7 +14,8 @@ from support.system import fuse_capable, require_root
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Status
-from probes.runtime.host import ChildCalls, Host
+from probes.runtime.children import ChildCalls
+from probes.runtime.host import Host
 from probes.storage.locks import LocksProbe
 
 HOUR = 3600.0

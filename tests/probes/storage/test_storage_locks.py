@@ -18,7 +18,8 @@ from support.system import fuse_capable, require_root, wait_reaped
 from agent.config import parse_config
 from agent.scheduler import execute
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
-from probes.runtime.host import ChildCalls, Host
+from probes.runtime.children import ChildCalls
+from probes.runtime.host import Host
 from probes.storage.lockfiles import (
     is_soft_lock_record,
     lock_style,

@@ -14,7 +14,8 @@ from support.system import fuse_capable, require_root, wait_reaped
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Sample, Status
-from probes.runtime.host import ChildCalls, Host
+from probes.runtime.children import ChildCalls
+from probes.runtime.host import Host
 from probes.storage.model_cache import ModelCacheProbe, hub_repo_folder
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -17,7 +17,8 @@ from agent.config import ConfigError, parse_config
 from agent.scheduler import execute
 from agent.state import PARSE_ERROR
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
-from probes.runtime.host import ChildCalls, Host
+from probes.runtime.children import ChildCalls
+from probes.runtime.host import Host
 from probes.storage.mounts import MountsProbe
 from probes.storage.mounttable import mount_at, mount_containing, parse_mountinfo
 

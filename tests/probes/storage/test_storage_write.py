@@ -16,7 +16,8 @@ from support.fusefs import fuse_mount
 from support.system import fuse_capable, require_root
 
 from agent.config import parse_config
-from probes.base import Finding, ProbeContext, Sample, Status
+from agent.scheduler import probe_context
+from probes.base import Finding, Sample, Status
 from probes.runtime.host import Host
 from probes.storage.config import WriteProbeSpec
 from probes.storage.write import WriteProbe, write_finding, write_probe_file_name
@@ -31,7 +32,7 @@ def run_write(path: Path, uid: int = JOB_UID, gid: int = JOB_GID, nbytes: int = 
             "storage": {"write_probes": [{"path": str(path), "uid": uid, "gid": gid, "bytes": nbytes}]},
         }
     )
-    output = WriteProbe().run(ProbeContext(Host(), config, 15.0))
+    output = WriteProbe().run(probe_context(Host(), config, 15.0))
     findings = [f for f in output if isinstance(f, Finding)]
     assert len(findings) == 1
     return findings[0], [s for s in output if isinstance(s, Sample)]

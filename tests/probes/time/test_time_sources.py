@@ -30,7 +30,7 @@ def write(root: Path, host_path: str, text: str) -> Path:
 
 
 def sources(root: Path, configured: list[str] | None = None) -> list[tuple[str, str, int, str, str]]:
-    found = ntp_sources(configured or [], Host(root=root).root_path)
+    found = ntp_sources(configured or [], Host(root=root).paths)
     return [(s.entry, s.host, s.port, s.source, s.directive) for s in found.servers]
 
 
@@ -114,7 +114,7 @@ def test_chrony_with_confdir_sourcedir_and_include(tmp_path: Path) -> None:
     write(tmp_path, "/etc/chrony/sources.d/ignored.conf", "server not-a-sources-file.example\n")
     write(tmp_path, "/etc/chrony/conf.d/10-site.conf", "server 10.1.0.3 port 1123\n")
     write(tmp_path, "/etc/chrony/extra/x.conf", "peer 10.1.0.4\n")
-    found = ntp_sources([], Host(root=tmp_path).root_path)
+    found = ntp_sources([], Host(root=tmp_path).paths)
     assert found.origin == "chrony"
     assert [(s.entry, s.source) for s in found.servers] == [
         ("pool.example", "/etc/chrony/sources.d/a.sources"),
@@ -127,7 +127,7 @@ def test_chrony_with_confdir_sourcedir_and_include(tmp_path: Path) -> None:
 
 def test_chrony_rhel_path_and_include_loops_end(tmp_path: Path) -> None:
     write(tmp_path, "/etc/chrony.conf", "server 10.2.0.1 iburst\ninclude /etc/chrony.conf\n")
-    found = ntp_sources([], Host(root=tmp_path).root_path)
+    found = ntp_sources([], Host(root=tmp_path).paths)
     assert [s.entry for s in found.servers] == ["10.2.0.1"]
     assert found.files == ["/etc/chrony.conf"]  # including itself does not loop
 
@@ -144,7 +144,7 @@ def test_ntpd_and_ntpsec(tmp_path: Path) -> None:
 def test_timesyncd_with_dropins_and_fallback(tmp_path: Path) -> None:
     # Debian's shipped file: everything commented, nothing to measure against.
     write(tmp_path, "/etc/systemd/timesyncd.conf", "[Time]\n#NTP=\n#FallbackNTP=0.debian.pool.ntp.org\n")
-    assert ntp_sources([], Host(root=tmp_path).root_path).servers == []
+    assert ntp_sources([], Host(root=tmp_path).paths).servers == []
     write(tmp_path, "/etc/systemd/timesyncd.conf", "[Time]\nFallbackNTP=fallback.example\n")
     assert sources(tmp_path) == [
         ("fallback.example", "fallback.example", 123, "/etc/systemd/timesyncd.conf", "FallbackNTP")
@@ -161,13 +161,13 @@ def test_first_daemon_with_servers_wins(tmp_path: Path) -> None:
     write(tmp_path, "/etc/systemd/timesyncd.conf", "[Time]\nNTP=timesyncd.example\n")
     write(tmp_path, "/etc/ntp.conf", "server ntpd.example\n")
     write(tmp_path, "/etc/chrony/chrony.conf", "# chrony installed, no source configured\n")
-    found = ntp_sources([], Host(root=tmp_path).root_path)
+    found = ntp_sources([], Host(root=tmp_path).paths)
     assert (found.origin, [s.entry for s in found.servers]) == ("ntpd", ["ntpd.example"])
 
 
 def test_many_pool_lines_are_capped(tmp_path: Path) -> None:
     write(tmp_path, "/etc/chrony/chrony.conf", "".join(f"server 10.5.0.{i}\n" for i in range(1, 20)))
-    assert len(ntp_sources([], Host(root=tmp_path).root_path).servers) == 8
+    assert len(ntp_sources([], Host(root=tmp_path).paths).servers) == 8
 
 
 # --- measured against the host's servers -------------------------------------------------------------

@@ -18,7 +18,8 @@ from support.netservers import DnsTestServer, SilentUdpPort, SntpTestServer, Zon
 from support.system import require, require_root
 
 from agent.config import ConfigError, parse_config
-from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
+from agent.scheduler import probe_context
+from probes.base import Finding, ProbeParseError, Sample, Status
 from probes.runtime.host import Host
 from probes.time.chrony import parse_chrony_tracking
 from probes.time.kernel_clock import STA_UNSYNC, TIME_ERROR, TIME_OK, KernelClock, Timex, read_kernel_clock
@@ -73,7 +74,7 @@ def run_time(
     data: dict = {"time": settings}
     if dns is not None:
         data["network"] = {"dns": {"nameservers": [dns.address]}}
-    out = TimeProbe().run(ProbeContext(Host(root=root), parse_config(data), timeout))
+    out = TimeProbe().run(probe_context(Host(root=root), parse_config(data), timeout))
     return {f.subject: f for f in out if isinstance(f, Finding)}, [s for s in out if isinstance(s, Sample)]
 
 

@@ -1,5 +1,7 @@
-"""Name resolution for the network and time probes: dnspython against the host's resolver (its resolv.conf
-under host.root, or explicit nameservers) or the pod's own resolv.conf, and /etc/hosts.
+"""Name resolution for every family that resolves a name (network.dns, network.egress, time): dnspython
+against the host's resolver (its resolv.conf under the host root, or nameservers the caller names) or the
+pod's own resolv.conf, and /etc/hosts. Everything is passed in as plain values (nameservers, timeouts, whether
+the search list applies), so no family reads another's settings.
 
 Never getaddrinfo: glibc blocks uncancellably for timeout x attempts x nameservers x search domains, so a
 lookup could outlive the probe's deadline. dnspython takes a lifetime, which every caller cuts to what the
@@ -15,7 +17,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dns.exception
 import dns.name
@@ -24,16 +26,15 @@ import dns.rdatatype
 import dns.resolver
 
 from probes.runtime.addresses import split_host_port
-
-if TYPE_CHECKING:
-    from probes.network.config import DnsConfig
-    from probes.runtime.host import Host
+from probes.runtime.paths import HostPaths
 
 # dnspython overshoots its lifetime by its backoff sleep (measured up to 0.4 s): keep this much in hand.
 DNS_LIFETIME_HEADROOM = 0.5
 # Below this a lookup cannot even get one try out: it is not started.
 MIN_LIFETIME = 0.1
 SYSTEMD_RESOLVED_STUB = "127.0.0.53"
+# How long one try of one nameserver waits, unless the operator says otherwise (network.dns.timeout_seconds).
+DEFAULT_TRY_SECONDS = 2.0
 
 
 def in_kubernetes_pod() -> bool:
@@ -41,9 +42,25 @@ def in_kubernetes_pod() -> bool:
 
 
 @dataclass(frozen=True)
+class HostResolverSettings:
+    """How the node's own resolver is set up for one probe run (the agent sets it on the probe's context).
+
+    `nameservers` ("ip" or "ip:port") replace the host's resolv.conf when given; `source` names the setting
+    that lists them, for findings; `try_seconds` is how long one try of one nameserver waits.
+    """
+
+    nameservers: tuple[str, ...] = ()
+    source: str = ""
+    try_seconds: float = DEFAULT_TRY_SECONDS
+
+    def setup(self, paths: HostPaths) -> ResolverSetup:
+        return host_resolver(paths, self.nameservers, self.source)
+
+
+@dataclass(frozen=True)
 class ResolverSetup:
     resolver: dns.resolver.Resolver | None
-    source: str  # "network.dns.nameservers" or the resolv.conf path used
+    source: str  # the setting that lists the nameservers, or the resolv.conf path used
     nameservers: tuple[str, ...]
     error: str = ""  # why there is no resolver (no nameserver configured)
     # Expand relative names with the resolv.conf search list (cluster names: kubernetes.default.svc).
@@ -71,16 +88,16 @@ def resolver_from_nameservers(entries: Sequence[str]) -> dns.resolver.Resolver:
     return resolver
 
 
-def host_resolv_conf(host: Host) -> Path:
+def host_resolv_conf(paths: HostPaths) -> Path:
     """The host's resolv.conf, or systemd-resolved's upstream list when the host file names only its stub."""
-    path = host.root_path("/etc/resolv.conf")
+    path = paths.root_path("/etc/resolv.conf")
     with contextlib.suppress(OSError):
         servers = [
             line.split()[1]
             for line in path.read_text().splitlines()
             if line.strip().startswith("nameserver") and len(line.split()) > 1
         ]
-        upstream = host.root_path("/run/systemd/resolve/resolv.conf")
+        upstream = paths.root_path("/run/systemd/resolve/resolv.conf")
         if servers and all(s == SYSTEMD_RESOLVED_STUB for s in servers) and upstream.is_file():
             return upstream
     return path
@@ -94,17 +111,18 @@ def resolver_from_file(path: Path, search: bool = False) -> ResolverSetup:
     return ResolverSetup(resolver, str(path), tuple(str(ns) for ns in resolver.nameservers), search=search)
 
 
-def make_resolver(host: Host, settings: DnsConfig) -> ResolverSetup:
-    """The host's resolver: `network.dns.nameservers` when set, else the host's resolv.conf (under host.root)."""
-    if settings.nameservers:
-        resolver = resolver_from_nameservers(settings.nameservers)
-        return ResolverSetup(resolver, "network.dns.nameservers", tuple(settings.nameservers))
-    return resolver_from_file(host_resolv_conf(host))
+def host_resolver(paths: HostPaths, nameservers: Sequence[str] = (), source: str = "") -> ResolverSetup:
+    """The host's resolver: `nameservers` when given (`source` names the setting that lists them), else the
+    host's resolv.conf under the host root."""
+    if nameservers:
+        return ResolverSetup(resolver_from_nameservers(nameservers), source, tuple(nameservers))
+    return resolver_from_file(host_resolv_conf(paths))
 
 
-def pod_resolver(settings: DnsConfig) -> ResolverSetup:
-    """The pod's own resolver (cluster DNS under dnsPolicy ClusterFirstWithHostNet), with its search list."""
-    return resolver_from_file(Path(settings.cluster_resolv_conf), search=True)
+def pod_resolver(resolv_conf: str | Path) -> ResolverSetup:
+    """The pod's own resolver (cluster DNS under dnsPolicy ClusterFirstWithHostNet) from its resolv.conf (a path
+    in the agent's own filesystem), with its search list."""
+    return resolver_from_file(Path(resolv_conf), search=True)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Independent checks of one probe run (names, egress targets, NTP servers) in parallel threads, each bounded
-by its own deadline and all of them by the probe's."""
+by its own deadline and all of them by the probe's. A probe reports a check that did not finish by the
+deadline under a reason of its own family (network: DeadlineExceeded)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import concurrent.futures
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
-
-from probes.base import Reason, Status
 
 T = TypeVar("T")
 
@@ -21,14 +20,6 @@ CHECK_MARGIN = 0.35
 # before the scheduler calls the run overdue (ProbeTimeout). The gap between the two lets a check that
 # ran into its cut deadline still report what timed out, rather than being given up as DeadlineExceeded.
 RESULT_MARGIN = 0.1
-
-DEADLINE_EXCEEDED = Reason(
-    "DeadlineExceeded",
-    Status.UNKNOWN,
-    "a DNS lookup or egress check did not finish (or could not start) within the probe's deadline",
-    "raise the probe's timeout_seconds (probes.<probe>.timeout_seconds) above the targets' own timeouts, "
-    "or check fewer names or targets",
-)
 
 
 def check_end(deadline: float) -> float:

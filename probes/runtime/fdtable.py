@@ -1,0 +1,270 @@
+"""Reading the fd tables of /proc, one process after another: the part of the /proc/*/fd scan that runs
+inside a forked scanner (`probes.runtime.fdscan` forks, watches and replaces the scanners).
+
+Pure `os`, `struct` and the statx(2) loaded here at import: a forked scanner may take no lock, log nothing and
+import nothing. Each fd is read with readlink (procfs answers that itself, whatever the file is on) and, when
+its target could be one that is wanted, with statx(AT_STATX_DONT_SYNC), which FUSE and NFS answer from the
+inode cache without asking their server. Progress goes to shared memory (`PROGRESS`), findings to `emit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import stat
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from probes.runtime.procstat import parse_stat
+
+
+def list_pids(proc: Path) -> list[int]:
+    return sorted(int(name) for name in os.listdir(proc) if name.isdigit())
+
+
+# statx(2) with AT_STATX_DONT_SYNC answers from the inode cache: FUSE and NFS do not ask their server, so a
+# hung mount cannot block it. Loaded once here; a forked scanner only calls it.
+_AT_FDCWD = -100
+AT_STATX_DONT_SYNC = 0x4000
+_STATX_TYPE_AND_INO = 0x1 | 0x100
+_STATX_SIZE = 256
+
+
+def _load_statx() -> Any:
+    try:
+        function = ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):  # glibc before 2.28
+        return None
+    # No argtypes: ctypes passes ints as C ints and bytes and buffers as pointers, which is what statx takes,
+    # and the per-call conversion argtypes adds costs more than the call (the scan makes one per fd).
+    function.restype = ctypes.c_int
+    if function(_AT_FDCWD, b"/", 0, _STATX_TYPE_AND_INO, ctypes.create_string_buffer(_STATX_SIZE)) != 0:
+        return None  # ENOSYS: a kernel before 4.11
+    return function
+
+
+_STATX = _load_statx()
+STATX_AVAILABLE = _STATX is not None
+
+
+# /proc/PID/{stat,cgroup,status} as text and /proc/PID/cmdline as bytes (None when it could not be read).
+ProcessTexts = tuple[str, str, str, bytes | None]
+
+
+@dataclass(frozen=True)
+class ScanRequest:
+    """What one scan looks for, and where."""
+
+    proc_dir: str
+    rdevs: frozenset[int]
+    inodes: frozenset[tuple[int, int]]
+    sockets: frozenset[int]
+    use_statx: bool
+    dev_prefixes: tuple[str, ...]
+
+
+# Shared with the forked scanner: (index in its pid list, fds read so far), so a stall is seen from outside.
+PROGRESS = struct.Struct("=qq")
+
+
+_DENIED = (errno.EACCES, errno.EPERM)
+# A scanner flushes what it found at least every this many processes (and whenever it found something).
+_FLUSH_EVERY = 64
+
+
+def scan_fds(
+    request: ScanRequest,
+    pids: Sequence[int],
+    progress: mmap.mmap | None = None,
+    emit: Callable[[list[tuple[Any, ...]], dict[str, int], bool, dict[int, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Scan the fds of `pids` (pure `os`; runs in a scanner, or in-process for benchmarks and tests).
+
+    Returns {"matches": [(pid, start_time, fd, target, key)], "texts": {pid: ProcessTexts}, "vanished",
+    "permission_denied", "processes", "fds", "skipped"}; with `emit`, hands over what it found in frames as it
+    goes (cumulative counters). A process's matches are handed over before its texts are read, so a cmdline
+    that blocks (its mmap lock held) stalls the scanner without losing the match.
+    """
+    reader = _FdReader(request)
+    pending: list[tuple[Any, ...]] = []
+    found: list[tuple[Any, ...]] = []
+    texts: dict[int, Any] = {}
+
+    def hand_over(new: dict[int, Any]) -> None:
+        if emit is not None:
+            emit([], reader.counters, False, new)
+
+    for index, pid in enumerate(pids):
+        if progress is not None:
+            PROGRESS.pack_into(progress, 0, index, reader.counters["fds"])
+        matches = reader.process(pid, progress, index)
+        pending.extend(matches)
+        if emit is not None and (matches or index % _FLUSH_EVERY == _FLUSH_EVERY - 1):
+            emit(pending, reader.counters, False, {})
+            found.extend(pending)
+            pending = []
+        if matches:
+            _read_texts(request.proc_dir, pid, texts, hand_over)
+    found.extend(pending)
+    if emit is not None:
+        emit(pending, reader.counters, True, {})
+    return {"matches": found, "texts": texts, **reader.counters, "processes": reader.processes}
+
+
+def _read_texts(proc_dir: str, pid: int, texts: dict[int, Any], hand_over: Callable[[dict[int, Any]], None]) -> None:
+    """stat, cgroup and status first (procfs answers them without the process's locks), handed over; then
+    the cmdline, which may block on the process's mmap lock, handed over when it comes."""
+    parts: list[str] = []
+    try:
+        for name in ("stat", "cgroup", "status"):
+            with open(f"{proc_dir}/{pid}/{name}", "rb") as handle:
+                parts.append(handle.read(_TEXT_LIMIT).decode("utf-8", "replace"))
+    except OSError:
+        return  # exited: the parent finds its start time gone
+    texts[pid] = (*parts, None)
+    hand_over({pid: texts[pid]})
+    cmdline: bytes | None = None
+    with contextlib.suppress(OSError), open(f"{proc_dir}/{pid}/cmdline", "rb") as handle:
+        cmdline = handle.read(_CMDLINE_LIMIT)
+    if cmdline is not None:
+        texts[pid] = (*parts, cmdline)
+        hand_over({pid: texts[pid]})
+
+
+_TEXT_LIMIT = 64 * 1024
+_CMDLINE_LIMIT = 4096
+
+
+def scan_in_process(
+    proc_dir: str,
+    rdevs: frozenset[int],
+    inodes: frozenset[tuple[int, int]],
+    sockets: frozenset[int],
+    use_statx: bool = True,
+) -> dict[str, Any]:
+    """Every process of `proc_dir` scanned in this process, with no scanner and no deadline (benchmarks, tests)."""
+    request = ScanRequest(proc_dir, rdevs, inodes, sockets, use_statx and STATX_AVAILABLE, ("/dev/",))
+    return scan_fds(request, list_pids(Path(proc_dir)))
+
+
+_DENIED_FD = object()
+
+
+class _FdReader:
+    """Reads one process's fd table after another; counts what vanished or was refused."""
+
+    def __init__(self, request: ScanRequest) -> None:
+        self.request = request
+        self.counters = {"vanished": 0, "permission_denied": 0, "fds": 0, "skipped": 0}
+        self.processes = 0
+        self.self_pid = os.getpid()
+        self.statx = _STATX if request.use_statx else None
+        self.buffer = ctypes.create_string_buffer(_STATX_SIZE)
+        self.want_stat = bool(request.rdevs or request.inodes)
+        # Without statx a stat may block on a hung mount: a device scan then stats only device paths.
+        self.dev_only = self.statx is None and not request.inodes
+
+    def process(self, pid: int, progress: mmap.mmap | None, index: int) -> list[tuple[Any, ...]]:
+        if pid == self.self_pid:
+            return []
+        self.processes += 1
+        try:
+            dir_fd = os.open(f"{self.request.proc_dir}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            self._count_error(exc)
+            return []
+        found: list[tuple[Any, ...]] = []
+        refused = False
+        try:
+            try:
+                entries = os.listdir(dir_fd)
+            except OSError as exc:
+                self._count_error(exc)
+                return []
+            for entry in entries:
+                self.counters["fds"] += 1
+                if progress is not None and not self.counters["fds"] & 255:
+                    PROGRESS.pack_into(progress, 0, index, self.counters["fds"])
+                match = self._entry(dir_fd, entry)
+                if match is _DENIED_FD:
+                    refused = True
+                elif match is not None:
+                    found.append(match)  # type: ignore[arg-type]
+        finally:
+            os.close(dir_fd)
+        if refused:
+            self.counters["permission_denied"] += 1
+        if not found:
+            return []
+        start = _start_time_or_none(self.request.proc_dir, pid)
+        if start is None:
+            self.counters["vanished"] += 1
+            return []
+        return [(pid, start, *match) for match in found]
+
+    def _count_error(self, exc: OSError) -> None:
+        self.counters["permission_denied" if exc.errno in _DENIED else "vanished"] += 1
+
+    def _entry(self, dir_fd: int, entry: str) -> tuple[Any, ...] | object | None:
+        """(fd, target, key) when the fd is one that is wanted, _DENIED_FD when it may not be read."""
+        request = self.request
+        try:
+            target = os.readlink(entry, dir_fd=dir_fd)  # procfs answers this itself: it never blocks
+        except OSError as exc:
+            if exc.errno in _DENIED:
+                return _DENIED_FD
+            self.counters["vanished"] += 1
+            return None
+        if target.startswith("socket:["):
+            inode = int(target[8:-1]) if target[8:-1].isdigit() else None
+            if inode is not None and inode in request.sockets:
+                return (int(entry), target, ("socket", inode))
+            return None
+        # pipe:[N], anon_inode:[eventfd], net:[N], mnt:[N] ... name no file we could want.
+        if not self.want_stat or not target.startswith("/"):
+            return None
+        if self.dev_only and not target.startswith(request.dev_prefixes):
+            self.counters["skipped"] += 1
+            return None
+        try:
+            mode, rdev, dev, ino = self._stat(dir_fd, entry)
+        except OSError as exc:
+            if exc.errno in _DENIED:
+                return _DENIED_FD
+            self.counters["vanished"] += 1
+            return None
+        if request.rdevs and stat.S_ISCHR(mode) and rdev in request.rdevs:
+            return (int(entry), target, ("rdev", rdev))
+        if request.inodes and (dev, ino) in request.inodes:
+            return (int(entry), target, ("inode", dev, ino))
+        return None
+
+    def _stat(self, dir_fd: int, entry: str) -> tuple[int, int, int, int]:
+        """(mode, rdev, dev, inode) of the file an fd is open on, from the inode cache when statx exists."""
+        if self.statx is None:
+            st = os.stat(entry, dir_fd=dir_fd)
+            return st.st_mode, st.st_rdev, st.st_dev, st.st_ino
+        if self.statx(dir_fd, entry.encode(), AT_STATX_DONT_SYNC, _STATX_TYPE_AND_INO, self.buffer) != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, os.strerror(number))
+        mode, ino, rdev_major, rdev_minor, dev_major, dev_minor = _STATX_FIELDS.unpack_from(self.buffer)
+        return mode, os.makedev(rdev_major, rdev_minor), os.makedev(dev_major, dev_minor), ino
+
+
+# struct statx (the kernel's uapi stat.h): stx_mode at 28, stx_ino at 32, rdev and dev major:minor at 128.
+_STATX_FIELDS = struct.Struct("=28xH2xQ88x4I")
+
+
+def _start_time_or_none(proc_dir: str, pid: int) -> int | None:
+    try:
+        with open(f"{proc_dir}/{pid}/stat", "rb") as handle:
+            text = handle.read().decode("utf-8", "replace")
+        return parse_stat(text).start_time
+    except (OSError, ValueError):
+        return None
