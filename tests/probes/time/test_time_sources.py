@@ -5,6 +5,7 @@ with drop-ins), and the clock is measured against them with real SNTP servers on
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,7 +211,8 @@ def test_host_daemon_servers_are_measured(
     findings = run_time(tmp_path)
     finding = findings[NTP_ADDRESS]
     assert (finding.status, finding.reason) == (Status.WARN, "ClockSkew")
-    assert f"0.300 s behind {NTP_ADDRESS}" in finding.message
+    # The offset is measured over loopback on a loaded machine: the message shows it, within a few ms of 0.3 s.
+    assert re.search(rf"0\.3[0-4]\d s behind {re.escape(NTP_ADDRESS)}", finding.message), finding.message
     assert finding.observed["source"] == host_path and finding.observed["directive"] == directive
     assert finding.observed["offset_seconds"] == pytest.approx(0.3, abs=0.05)
     assert port123_server.queries >= 1
