@@ -212,7 +212,7 @@ def test_host_daemon_servers_are_measured(
     finding = findings[NTP_ADDRESS]
     assert (finding.status, finding.reason) == (Status.WARN, "ClockSkew")
     # The offset is measured over loopback on a loaded machine: the message shows it, within a few ms of 0.3 s.
-    assert re.search(rf"0\.3[0-4]\d s behind {re.escape(NTP_ADDRESS)}", finding.message), finding.message
+    assert re.search(rf"0\.(?:29\d|3[0-4]\d) s behind {re.escape(NTP_ADDRESS)}", finding.message), finding.message
     assert finding.observed["source"] == host_path and finding.observed["directive"] == directive
     assert finding.observed["offset_seconds"] == pytest.approx(0.3, abs=0.05)
     assert port123_server.queries >= 1
