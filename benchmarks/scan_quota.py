@@ -242,14 +242,14 @@ def probe_child(procs: str, dev: str, spec: str, repeat: int, rivals: int) -> No
 
 
 def start_rival_scans(host: Any, count: int) -> list[threading.Thread]:
-    """Whole-/proc scans sharing the quota with the probe's, as the gpu probe's (or network.ports') does in the
-    agent. There they take the same lock and run one after the other; here they run at once, each with a share
-    of the quota: either way the npu scan finishes about when both have read every fd."""
+    """Whole-/proc scans sharing the quota with the probe's, as the gpu probe's (fds and maps, a device scan)
+    does in the agent. There they take the same lock and run one after the other; here they run at once, each
+    with a share of the quota: either way the npu scan finishes about when both have read everything."""
     from probes.runtime.procfs import ScanError, scan_open_files
 
     def scan(key: str) -> None:
         with contextlib.suppress(ScanError):
-            scan_open_files(host, rdevs={os.makedev(NOBODYS_MAJOR, 0)}, timeout=120, key=key)
+            scan_open_files(host, rdevs={os.makedev(NOBODYS_MAJOR, 0)}, timeout=120, key=key, mappings=True)
 
     threads = [threading.Thread(target=scan, args=(f"rival-{index}",), daemon=True) for index in range(count)]
     for thread in threads:

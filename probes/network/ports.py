@@ -57,7 +57,7 @@ PORT_RANGE_OCCUPIED = Reason(
     Status.FAIL,
     "sockets use ports of the HCCL range; the message names each holder (PID, executable, pod or container). "
     "Fail when any holder is outside Kubernetes or not found, warn when all are in pods",
-    "stop the leftover holder with the command the hint names (kill PID, docker/nerdctl stop ID, crictl stopp), "
+    "stop the leftover holder with the command the hint names (kill PID, docker/podman/nerdctl stop ID, crictl stopp), "
     "or move HCCL_IF_BASE_PORT and network.ports.base together",
     also=(Status.WARN,),
 )

@@ -42,10 +42,11 @@ def chip_number(node: str) -> int | None:
 
 
 def numbers_held_by_fd(scan: HolderScan | None) -> set[int]:
-    """N of every /dev/davinciN some process holds open (for npu.hbm: memory in use by a holder is no leak)."""
+    """N of every /dev/davinciN some process holds open or mapped (for npu.hbm: memory in use by a holder is no
+    leak)."""
     held: set[int] = set()
     for holder in scan.holders if scan else ():
-        if "fd" in holder.sources:
+        if holder.sources & {"fd", "mmap"}:
             held.update(n for n in map(chip_number, holder.things) if n is not None)
     return held
 

@@ -7,6 +7,9 @@ Character devices match by st_rdev (a container's /dev/davinci0 is a different i
 major:minor, which `fuser` on the host path misses), regular files by (st_dev, st_ino), sockets by the
 `socket:[N]` link text without any stat.
 
+A device scan also reads each process's /proc/PID/maps for the device nodes it has mapped with no fd left open
+(`probes.runtime.mapscan`), in the same scanner, after that process's fds.
+
 The scan runs in forked scanners, never on an agent thread. A scanner reports its progress through shared
 memory and its findings through a pipe as it goes; one that makes no progress for a while (a filesystem that
 ignores AT_STATX_DONT_SYNC, or a kernel without statx) is killed, the process it was reading is named as
@@ -55,8 +58,9 @@ class FdMatch:
     pid: int
     start_time: int
     fd: int
-    target: str  # readlink text of /proc/PID/fd/N, as the holder's mount namespace names it
+    target: str  # readlink text of /proc/PID/fd/N (or the mapping's path), as the holder's mount namespace names it
     key: tuple[Any, ...]  # ("rdev", rdev) | ("inode", st_dev, st_ino) | ("socket", inode)
+    via: str = "fd"  # "mmap": a device node the process has mapped (fd is -1), found in /proc/PID/maps
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class ScanResult:
     unreadable: tuple[UnreadableProcess, ...] = ()
     unscanned: int = 0  # processes not reached before the deadline
     skipped: int = 0  # fd targets not stat'ed (no statx: only targets under a dev dir are)
+    maps_truncated: int = 0  # processes with more mappings than are read (mapping scans)
+    maps_denied: int = 0  # processes whose mappings could not be matched (no CAP_SYS_ADMIN for map_files)
     # pid → (stat, cgroup, status, cmdline or None) of each process with a match, read by the scanner that
     # found it: reading a cmdline takes the process's mmap lock and can block, so no agent thread does it.
     texts: Mapping[int, ProcessTexts] = field(default_factory=dict)
@@ -142,13 +148,16 @@ def scan_open_files(
     partial: bool = False,
     stall_seconds: float | None = None,
     use_statx: bool = True,
+    mappings: bool = False,
 ) -> ScanResult:
     """One pass over every /proc/*/fd of the host, in forked scanners bounded by `timeout`.
 
     Each fd is readlink'ed (procfs answers that itself) and, when its target could be wanted, stat'ed with
     statx(AT_STATX_DONT_SYNC), so a hung FUSE/NFS mount does not block it; without statx only targets under
-    a dev dir are stat'ed for a device scan. A scanner that makes no progress for `stall_seconds` anyway
-    is killed, the process it was on is named in `unreadable`, and a new scanner goes on after it.
+    a dev dir are stat'ed for a device scan. With `mappings`, each process's /proc/PID/maps is read too, for
+    the `rdevs` it has mapped (`probes.runtime.mapscan`). A scanner that makes no progress for
+    `stall_seconds` anyway is killed, the process it was on is named in `unreadable`, and a new scanner goes
+    on after it.
 
     Scans with the same `key` run one at a time (a caller waits within its timeout). With `partial`, what
     was read by the deadline is returned (`complete` False); without it an incomplete scan raises
@@ -168,6 +177,7 @@ def scan_open_files(
             frozenset(int(s) for s in sockets),
             use_statx and STATX_AVAILABLE,
             ("/dev/", str(host.dev).rstrip("/") + "/"),
+            mappings and bool(rdevs),
         )
         stall = stall_seconds if stall_seconds is not None else min(2.0, max(0.25, timeout / 4))
         result = _scan_all(request, key, deadline, stall, started)
@@ -196,7 +206,8 @@ def _scan_all(request: ScanRequest, key: str, deadline: float, stall: float, sta
         raise ScanTimeout(f"scan of {request.proc_dir}/*/fd: {len(lingering)} earlier scanners still stuck")
     with _SCAN_LOCKS_GUARD:
         avoided = {stuck for _, stuck in _LINGERING.get(key, [])}
-    tally = _Tally([], {"vanished": 0, "permission_denied": 0, "fds": 0, "skipped": 0}, [])
+    counters = ("vanished", "permission_denied", "fds", "skipped", "maps_truncated", "maps_denied")
+    tally = _Tally([], dict.fromkeys(counters, 0), [])
     for pid in avoided & set(pids):
         tally.unreadable.append(_unreadable(request.proc_dir, pid, "an earlier scanner is still stuck on it"))
     remaining = [pid for pid in pids if pid not in avoided]
@@ -213,7 +224,7 @@ def _scan_all(request: ScanRequest, key: str, deadline: float, stall: float, sta
             with _SCAN_LOCKS_GUARD:
                 _LINGERING.setdefault(key, []).append((outcome.scanner, remaining[outcome.index]))
         if outcome.stalled:
-            why = f"no answer within {stall:g}s (a file on a hung filesystem?)"
+            why = f"no answer within {stall:g}s (a file on a hung filesystem, or its memory map locked?)"
             tally.unreadable.append(_unreadable(request.proc_dir, remaining[outcome.index], why))
             remaining = remaining[outcome.index + 1 :]
             continue
@@ -229,6 +240,8 @@ def _scan_all(request: ScanRequest, key: str, deadline: float, stall: float, sta
         unreadable=tuple(tally.unreadable),
         unscanned=unscanned,
         skipped=tally.counters["skipped"],
+        maps_truncated=tally.counters["maps_truncated"],
+        maps_denied=tally.counters["maps_denied"],
         texts=tally.texts,
     )
 
@@ -314,7 +327,9 @@ def _take_frames(buffer: bytearray, outcome: _Outcome) -> bool:
             break
         frame = pickle.loads(bytes(buffer[_FRAME.size : _FRAME.size + size]))
         del buffer[: _FRAME.size + size]
-        outcome.matches.extend(FdMatch(p, s, fd, target, tuple(k)) for p, s, fd, target, k in frame["matches"])
+        outcome.matches.extend(
+            FdMatch(p, s, fd, target, tuple(k), via) for p, s, fd, target, k, via in frame["matches"]
+        )
         outcome.counters = frame["counters"]
         outcome.texts.update(frame.get("texts") or {})
         ended = bool(frame.get("end"))

@@ -4,7 +4,9 @@ inside a forked scanner (`probes.runtime.fdscan` forks, watches and replaces the
 Pure `os`, `struct` and the statx(2) loaded here at import: a forked scanner may take no lock, log nothing and
 import nothing. Each fd is read with readlink (procfs answers that itself, whatever the file is on) and, when
 its target could be one that is wanted, with statx(AT_STATX_DONT_SYNC), which FUSE and NFS answer from the
-inode cache without asking their server. Progress goes to shared memory (`PROGRESS`), findings to `emit`.
+inode cache without asking their server. A device scan (only device numbers wanted) needs no link text to
+decide: one statx per fd, and the readlink only for a wanted device; it also reads each process's mappings
+(`probes.runtime.mapscan`). Progress goes to shared memory (`PROGRESS`), findings to `emit`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import mmap
 import os
 import stat
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from probes.runtime.mapscan import MappedDevices
 from probes.runtime.procstat import parse_stat
 
 
@@ -67,6 +71,8 @@ class ScanRequest:
     sockets: frozenset[int]
     use_statx: bool
     dev_prefixes: tuple[str, ...]
+    # Also match the device nodes each process has mapped (/proc/PID/maps), for holders that closed the fd.
+    mappings: bool = False
 
 
 # Shared with the forked scanner: (index in its pid list, fds read so far), so a stall is seen from outside.
@@ -86,10 +92,11 @@ def scan_fds(
 ) -> dict[str, Any]:
     """Scan the fds of `pids` (pure `os`; runs in a scanner, or in-process for benchmarks and tests).
 
-    Returns {"matches": [(pid, start_time, fd, target, key)], "texts": {pid: ProcessTexts}, "vanished",
-    "permission_denied", "processes", "fds", "skipped"}; with `emit`, hands over what it found in frames as it
-    goes (cumulative counters). A process's matches are handed over before its texts are read, so a cmdline
-    that blocks (its mmap lock held) stalls the scanner without losing the match.
+    Returns {"matches": [(pid, start_time, fd, target, key, via)], "texts": {pid: ProcessTexts}, "vanished",
+    "permission_denied", "processes", "fds", "skipped", "maps_truncated", "maps_denied"}; `via` is "fd", or
+    "mmap" for a device node the process has mapped (fd -1). With `emit`, hands over what it found in frames as
+    it goes (cumulative counters). A process's fd matches are handed over before its maps and texts are read,
+    so a maps or cmdline read that blocks (its mmap lock held) stalls the scanner without losing the match.
     """
     reader = _FdReader(request)
     pending: list[tuple[Any, ...]] = []
@@ -100,15 +107,26 @@ def scan_fds(
         if emit is not None:
             emit([], reader.counters, False, new)
 
+    def flush() -> None:
+        nonlocal pending
+        if emit is not None:
+            emit(pending, reader.counters, False, {})
+        found.extend(pending)
+        pending = []
+
     for index, pid in enumerate(pids):
         if progress is not None:
             PROGRESS.pack_into(progress, 0, index, reader.counters["fds"])
         matches = reader.process(pid, progress, index)
         pending.extend(matches)
+        if request.mappings:
+            if matches:
+                flush()
+            mapped = reader.mapped(pid, matches)
+            pending.extend(mapped)
+            matches = matches + mapped
         if emit is not None and (matches or index % _FLUSH_EVERY == _FLUSH_EVERY - 1):
-            emit(pending, reader.counters, False, {})
-            found.extend(pending)
-            pending = []
+            flush()
         if matches:
             _read_texts(request.proc_dir, pid, texts, hand_over)
     found.extend(pending)
@@ -147,9 +165,10 @@ def scan_in_process(
     inodes: frozenset[tuple[int, int]],
     sockets: frozenset[int],
     use_statx: bool = True,
+    mappings: bool = False,
 ) -> dict[str, Any]:
     """Every process of `proc_dir` scanned in this process, with no scanner and no deadline (benchmarks, tests)."""
-    request = ScanRequest(proc_dir, rdevs, inodes, sockets, use_statx and STATX_AVAILABLE, ("/dev/",))
+    request = ScanRequest(proc_dir, rdevs, inodes, sockets, use_statx and STATX_AVAILABLE, ("/dev/",), mappings)
     return scan_fds(request, list_pids(Path(proc_dir)))
 
 
@@ -169,6 +188,15 @@ class _FdReader:
         self.want_stat = bool(request.rdevs or request.inodes)
         # Without statx a stat may block on a hung mount: a device scan then stats only device paths.
         self.dev_only = self.statx is None and not request.inodes
+        # A device scan with statx needs no link text to decide: one statx per fd, a readlink only for a match.
+        self.devices_by_statx = (
+            self.statx is not None and bool(request.rdevs) and not (request.inodes or request.sockets)
+        )
+        self.rdev_pairs = {(os.major(rdev), os.minor(rdev)) for rdev in request.rdevs}
+        self.mode_high = memoryview(self.buffer).cast("B")  # the statx answer, byte by byte
+        self.counters.update(maps_truncated=0, maps_denied=0)
+        prefixes = tuple(p.encode() for p in request.dev_prefixes) if self.statx is None else None
+        self.maps = MappedDevices(request.rdevs, self._stat_mode, prefixes, self.counters)
 
     def process(self, pid: int, progress: mmap.mmap | None, index: int) -> list[tuple[Any, ...]]:
         if pid == self.self_pid:
@@ -187,15 +215,18 @@ class _FdReader:
             except OSError as exc:
                 self._count_error(exc)
                 return []
-            for entry in entries:
-                self.counters["fds"] += 1
-                if progress is not None and not self.counters["fds"] & 255:
-                    PROGRESS.pack_into(progress, 0, index, self.counters["fds"])
-                match = self._entry(dir_fd, entry)
-                if match is _DENIED_FD:
-                    refused = True
-                elif match is not None:
-                    found.append(match)  # type: ignore[arg-type]
+            if self.devices_by_statx:
+                refused = self._device_fds(dir_fd, entries, found, progress, index)
+            else:
+                for entry in entries:
+                    self.counters["fds"] += 1
+                    if progress is not None and not self.counters["fds"] & 255:
+                        PROGRESS.pack_into(progress, 0, index, self.counters["fds"])
+                    match = self._entry(dir_fd, entry)
+                    if match is _DENIED_FD:
+                        refused = True
+                    elif match is not None:
+                        found.append(match)  # type: ignore[arg-type]
         finally:
             os.close(dir_fd)
         if refused:
@@ -206,7 +237,21 @@ class _FdReader:
         if start is None:
             self.counters["vanished"] += 1
             return []
-        return [(pid, start, *match) for match in found]
+        return [(pid, start, *match, "fd") for match in found]
+
+    def mapped(self, pid: int, fd_matches: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """(pid, start_time, -1, path, ("rdev", rdev), "mmap") per wanted device node `pid` has mapped and does
+        not also hold by an fd."""
+        if pid == self.self_pid or not self.request.rdevs:
+            return []
+        held = {match[4][1] for match in fd_matches if match[4][0] == "rdev"}
+        mapped = [(path, rdev) for path, rdev in self.maps.find(self.request.proc_dir, pid) if rdev not in held]
+        if not mapped:
+            return []
+        start = fd_matches[0][1] if fd_matches else _start_time_or_none(self.request.proc_dir, pid)
+        if start is None:
+            return []
+        return [(pid, start, -1, path, ("rdev", rdev), "mmap") for path, rdev in mapped]
 
     def _count_error(self, exc: OSError) -> None:
         self.counters["permission_denied" if exc.errno in _DENIED else "vanished"] += 1
@@ -245,6 +290,45 @@ class _FdReader:
             return (int(entry), target, ("inode", dev, ino))
         return None
 
+    def _device_fds(
+        self, dir_fd: int, entries: list[str], found: list[tuple[Any, ...]], progress: mmap.mmap | None, index: int
+    ) -> bool:
+        """A device scan's fd table: one statx per fd (from the inode cache, whatever the fd is: a socket, a pipe,
+        a file on a hung mount), the link text only of a wanted device. The scan's hot loop, one turn per fd on
+        the host: the call and one byte of its answer (the file type) for any fd that is no character device.
+        True when some fd may not be read."""
+        statx, buffer, mode_high = self.statx, self.buffer, self.mode_high
+        assert statx is not None  # devices_by_statx
+        refused = False
+        counted = self.counters["fds"]
+        for offset in range(0, len(entries), _PROGRESS_EVERY):
+            if progress is not None and offset:
+                PROGRESS.pack_into(progress, 0, index, counted + offset)
+            for entry in entries[offset : offset + _PROGRESS_EVERY]:
+                if statx(dir_fd, entry.encode(), AT_STATX_DONT_SYNC, _STATX_TYPE_AND_INO, buffer) != 0:
+                    if ctypes.get_errno() in _DENIED:
+                        refused = True
+                    else:
+                        self.counters["vanished"] += 1
+                elif mode_high[_STATX_MODE_HIGH_BYTE] & 0xF0 == _S_IFCHR_HIGH:
+                    self._device_fd(dir_fd, entry, found)
+        self.counters["fds"] = counted + len(entries)
+        return refused
+
+    def _device_fd(self, dir_fd: int, entry: str, found: list[tuple[Any, ...]]) -> None:
+        """A character device fd (statx just filled the buffer): kept when it is a wanted one."""
+        _mode, rdev_major, rdev_minor = _STATX_MODE_RDEV.unpack_from(self.buffer)
+        if (rdev_major, rdev_minor) not in self.rdev_pairs:
+            return
+        try:
+            found.append((int(entry), os.readlink(entry, dir_fd=dir_fd), ("rdev", os.makedev(rdev_major, rdev_minor))))
+        except OSError:
+            self.counters["vanished"] += 1
+
+    def _stat_mode(self, dir_fd: int, entry: str) -> tuple[int, int]:
+        mode, rdev, _dev, _ino = self._stat(dir_fd, entry)
+        return mode, rdev
+
     def _stat(self, dir_fd: int, entry: str) -> tuple[int, int, int, int]:
         """(mode, rdev, dev, inode) of the file an fd is open on, from the inode cache when statx exists."""
         if self.statx is None:
@@ -259,6 +343,11 @@ class _FdReader:
 
 # struct statx (the kernel's uapi stat.h): stx_mode at 28, stx_ino at 32, rdev and dev major:minor at 128.
 _STATX_FIELDS = struct.Struct("=28xH2xQ88x4I")
+_STATX_MODE_RDEV = struct.Struct("=28xH98x2I")  # stx_mode, stx_rdev_major, stx_rdev_minor
+# stx_mode is little- or big-endian as the machine: the byte holding the file type bits (S_IFMT) of it.
+_STATX_MODE_HIGH_BYTE = 29 if sys.byteorder == "little" else 28
+_S_IFCHR_HIGH = stat.S_IFCHR >> 8
+_PROGRESS_EVERY = 256
 
 
 def _start_time_or_none(proc_dir: str, pid: int) -> int | None:

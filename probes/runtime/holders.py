@@ -3,12 +3,14 @@
 Shared by npu.holders, gpu.holders and the port checks, so every family names a holder the same way:
 
 - A sighting is one process seen holding one thing: an fd found by the /proc scan (`probes.runtime.fdscan`:
-  a device node by its device number, a socket by its inode), or a PID a tool lists (npu-smi, NVML).
+  a device node by its device number, a socket by its inode), a device node it has mapped (source "mmap",
+  `probes.runtime.mapscan`), or a PID a tool lists (npu-smi, NVML).
   `collect_holders` merges the sightings into one `Holder` per process, keyed by (pid, start time) so a
   reused PID is never taken for the process a tool saw.
 - Each holder is classified by its /proc/PID/cgroup (pod UID and container, a runtime's container outside
-  Kubernetes, a systemd service, a login session, the host). A pod's namespace/name comes, best effort,
-  from the container runtime's OCI bundle under the host root (`PodNames`), else it is named by UID.
+  Kubernetes, podman's `/libpod_parent/libpod-<id>` included, a systemd service, a login session, the host).
+  A pod's namespace/name comes, best effort, from the container runtime's OCI bundle under the host root
+  (`PodNames`), else it is named by UID.
 - Holders are described by PID, executable name and owner; the full command line only when the operator
   allows it (`redact_cmdlines: false`): another tenant's argv can hold secrets.
 - `stop_hint` gives the command that stops a holder, runtime-aware and naming the real PIDs.
@@ -271,6 +273,8 @@ class HolderScan:
     error: str = ""  # the fd scan could not run at all: only the tools' lists were used
     unreadable: tuple[UnreadableProcess, ...] = ()
     unscanned: int = 0
+    maps_truncated: int = 0  # processes with more mappings than the scan reads
+    maps_denied: int = 0  # processes whose mappings could not be matched (map_files needs CAP_SYS_ADMIN)
 
     @property
     def complete(self) -> bool:
@@ -293,6 +297,8 @@ class HolderScan:
             out["unreadable"] = [{"pid": p.pid, "comm": p.comm, "why": p.why} for p in self.unreadable[:10]]
         if self.unscanned:
             out["unscanned"] = self.unscanned
+        if self.maps_truncated or self.maps_denied:
+            out["mappings_unread"] = {"truncated": self.maps_truncated, "denied": self.maps_denied}
         return out
 
 
@@ -311,9 +317,11 @@ class DeviceScan:
 
 
 def scan_devices(host: Host, nodes: Mapping[int, str], timeout: float) -> DeviceScan:
-    """One /proc/*/fd scan for the device nodes; partial results are kept (the scan says what it missed)."""
+    """One /proc/*/fd and /proc/*/maps scan for the device nodes (an fd open on one, or a mapping of one whose
+    fd was closed); partial results are kept (the scan says what it missed)."""
     try:
-        return DeviceScan(nodes, scan_open_files(host, rdevs=nodes.keys(), timeout=timeout, partial=True))
+        scan = scan_open_files(host, rdevs=nodes.keys(), timeout=timeout, partial=True, mappings=True)
+        return DeviceScan(nodes, scan)
     except ScanError as exc:
         return DeviceScan(nodes, None, str(exc))
 
@@ -334,7 +342,8 @@ def device_holders(
     sightings: list[Sighting] = []
     for match in result.matches if result else ():
         name = scan.nodes.get(match.key[1]) if scan and match.key[0] == "rdev" else None
-        sightings.append(Sighting(match.pid, name or os.path.basename(match.target), "fd", match.start_time))
+        thing = name or os.path.basename(match.target)
+        sightings.append(Sighting(match.pid, thing, match.via, match.start_time))  # via: "fd" or "mmap"
     for pid, things in (listed or {}).items():
         sightings.extend(Sighting(pid, thing, listed_source) for thing in sorted(things))
     known = described(result) if result else {}
@@ -348,12 +357,12 @@ def device_holders(
         error=scan.error if scan else "",
         unreadable=result.unreadable if result else (),
         unscanned=result.unscanned if result else 0,
+        maps_truncated=result.maps_truncated if result else 0,
+        maps_denied=result.maps_denied if result else 0,
     )
 
 
 # --- what to say about holders ---------------------------------------------------------------------
-
-_STOP_TOOL = {"docker": "docker", "podman": "podman", "cri-o": "crictl", "containerd": "nerdctl"}
 
 
 def stop_command(holder: Holder) -> str:
@@ -363,9 +372,9 @@ def stop_command(holder: Holder) -> str:
         if holder.pod is not None and holder.pod.name:
             return f"kubectl delete pod -n {holder.pod.namespace} {holder.pod.name}"
         return f"crictl stopp $(crictl pods -q --label io.kubernetes.pod.uid={owner.pod_uid})"
-    if owner.kind == "container":
-        tool = _STOP_TOOL.get(owner.runtime or "", owner.runtime or "the runtime's CLI:")
-        return f"{tool} stop {(owner.container_id or '')[:12]}"
+    container = owner.container_command("stop")  # podman stop 4c3b…, as its user when rootless
+    if container is not None:
+        return container
     if owner.kind == "service" and owner.unit:
         return f"systemctl stop {owner.unit}"
     return f"kill {holder.pid}"

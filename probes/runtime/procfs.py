@@ -82,10 +82,15 @@ _SCOPE_RUNTIME = {
     "libpod": "podman",
     "libpod-conmon": "podman",
 }
-# A bare container id (cgroupfs driver): /docker/<64hex>, /kubepods/burstable/pod<uid>/<64hex>.
-_BARE_ID = re.compile(r"^(?:(crio|docker|cri-containerd)-)?([0-9a-f]{64})$")
+# A bare container id (cgroupfs driver): /docker/<64hex>, /kubepods/burstable/pod<uid>/<64hex>, and podman's
+# /libpod_parent/libpod-<64hex> (its pods' containers: /libpod_parent/<pod id>/libpod-<64hex>).
+_BARE_ID = re.compile(r"^(?:(crio|docker|cri-containerd|libpod)-)?([0-9a-f]{64})$")
 # Parent directory → runtime for bare ids of the cgroupfs driver.
 _PARENT_RUNTIME = {"docker": "docker", "crio": "cri-o", "libpod_parent": "podman", "containerd": "containerd"}
+# A systemd user manager (`user@1000.service`): a container scope below it is a rootless container of that uid.
+_USER_MANAGER = re.compile(r"^user@(\d+)\.service$")
+# The command-line tool that manages each runtime's containers outside Kubernetes.
+_RUNTIME_CLI = {"docker": "docker", "podman": "podman", "cri-o": "crictl", "containerd": "nerdctl"}
 
 
 @dataclass(frozen=True)
@@ -105,10 +110,23 @@ class CgroupOwner:
     runtime: str | None = None  # containerd, cri-o, docker, podman
     unit: str | None = None  # systemd unit or scope
     path: str = ""
+    # A rootless container (podman under a user's systemd manager): only that uid's podman sees it.
+    rootless_uid: int | None = None
 
     @property
     def in_pod(self) -> bool:
         return self.kind == "pod"
+
+    def container_command(self, verb: str, *args: str) -> str | None:
+        """`podman stop 4c3b…`, `docker exec 4c3b… rm /x`: the runtime's CLI run on this container (as its user
+        when it is rootless); None when this is no container outside Kubernetes."""
+        if self.kind != "container" or not self.container_id:
+            return None
+        tool = _RUNTIME_CLI.get(self.runtime or "", "the runtime's CLI:")
+        if self.rootless_uid is not None:
+            uid = self.rootless_uid
+            tool = f"sudo -u '#{uid}' XDG_RUNTIME_DIR=/run/user/{uid} {tool}"
+        return " ".join([tool, verb, self.container_id[:12], *args])
 
     def describe(self) -> str:
         """A short phrase for messages: `pod 1f2e…`, `docker container 4c3b…`, `system.slice/x.service`."""
@@ -116,7 +134,9 @@ class CgroupOwner:
             text = f"pod {self.pod_uid}"
             return text + (f" container {self.container_id[:12]}" if self.container_id else "")
         if self.kind == "container":
-            return f"{self.runtime or 'runtime'} container {(self.container_id or '')[:12]} outside Kubernetes"
+            rootless = f" (rootless, uid {self.rootless_uid})" if self.rootless_uid is not None else ""
+            container = f"{self.runtime or 'runtime'} container {(self.container_id or '')[:12]}"
+            return f"{container}{rootless} outside Kubernetes"
         if self.kind in ("service", "session"):
             return f"{self.kind} {self.unit}"
         return f"host cgroup {self.path or '/'}"
@@ -173,11 +193,12 @@ def classify_cgroup_path(path: str) -> CgroupOwner:
                 runtime=_SCOPE_RUNTIME[scope.group(1)],
                 unit=segment,
                 path=path,
+                rootless_uid=_user_manager_uid(segments[:index]),
             )
         bare = _BARE_ID.match(segment)
         if bare:
-            parent = segments[index - 1] if index > 0 else ""
-            runtime = _SCOPE_RUNTIME.get(bare.group(1) or "") or _PARENT_RUNTIME.get(parent)
+            parents = [s for s in segments[:index] if s in _PARENT_RUNTIME]
+            runtime = _SCOPE_RUNTIME.get(bare.group(1) or "") or (_PARENT_RUNTIME[parents[-1]] if parents else None)
             return CgroupOwner("container", container_id=bare.group(2), runtime=runtime, path=path)
     for segment in reversed(segments):
         if segment == "init.scope":
@@ -187,6 +208,15 @@ def classify_cgroup_path(path: str) -> CgroupOwner:
         if segment.endswith((".service", ".scope")):
             return CgroupOwner("service", unit=segment, path=path)
     return CgroupOwner("host", path=path)
+
+
+def _user_manager_uid(segments: list[str]) -> int | None:
+    """The uid of the systemd user manager (`user@1000.service`) among a container's parent segments."""
+    for segment in reversed(segments):
+        manager = _USER_MANAGER.match(segment)
+        if manager:
+            return int(manager.group(1))
+    return None
 
 
 def _container_in(segments: list[str]) -> tuple[str | None, str | None]:

@@ -59,6 +59,18 @@ class MountNamespace:
             return f"{self.label} ({where}{container})"
         return self.label
 
+    def command_inside(self, command: str) -> str:
+        """How an operator runs `command` in this container: `kubectl exec` for a pod, the runtime's own exec
+        for a container outside Kubernetes (`podman exec 4c3b… rm /x`), nsenter into the namespace otherwise."""
+        if self.owner.kind == "pod":
+            names = self.pod_names
+            if not names.get("pod_name"):
+                return f"kubectl exec ... -- {command}"
+            container = f" -c {names['container_name']}" if names.get("container_name") else ""
+            pod = f"-n {names.get('pod_namespace', 'default')} {names['pod_name']}{container}"
+            return f"kubectl exec {pod} -- {command}"
+        return self.owner.container_command("exec", command) or f"nsenter -t {self.pid} -m -- {command}"
+
     def observed(self) -> dict[str, object]:
         return {
             "mount_namespace": self.namespace,
@@ -66,6 +78,7 @@ class MountNamespace:
             "comm": self.comm,
             "pod_uid": self.owner.pod_uid,
             "container_id": self.owner.container_id,
+            "runtime": self.owner.runtime,
             **self.pod_names,
         }
 

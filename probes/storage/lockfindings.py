@@ -270,7 +270,7 @@ def container_lock_findings(group: Group, evidence: Evidence, proc: str) -> list
         )
         hint = (
             f"every job in this container that builds or loads the extension waits on it forever: remove it "
-            f"(kubectl exec ... -- rm {shown}, or on the node rm {safe_text(host_path)}), or set "
+            f"({namespace.command_inside('rm ' + shown)}, or on the node rm {safe_text(host_path)}), or set "
             "storage.remove_stale_locks: true"
             if reason is STALE_FILE_BATON
             else None

@@ -256,7 +256,7 @@ def test_scan_counts_vanished_entries_in_a_proc_tree(tmp: Path) -> None:
     assert raw["processes"] == 2
     assert raw["fds"] == 3
     assert raw["vanished"] == 2  # pid 4243 had no fd table; fd 3 pointed at a file that is gone
-    assert raw["matches"] == [(4242, 5555, 5, str(held), ("inode", st.st_dev, st.st_ino))]
+    assert raw["matches"] == [(4242, 5555, 5, str(held), ("inode", st.st_dev, st.st_ino), "fd")]
 
 
 @pytest.mark.system

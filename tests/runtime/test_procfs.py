@@ -161,6 +161,26 @@ CLASSIFICATION_TABLE = [
         "podman",
         f"libpod-{CID}.scope",
     ),
+    # podman: the cgroupfs manager (a container, one in a pod), the systemd manager, its conmon, rootless
+    (f"4:memory:/libpod_parent/libpod-{CID}\n0::/libpod_parent/libpod-{CID}\n", "container", None, CID, "podman", None),
+    (f"0::/libpod_parent/{'ab' * 32}/libpod-{CID}\n", "container", None, CID, "podman", None),
+    (f"0::/machine.slice/libpod-{CID}.scope\n", "container", None, CID, "podman", f"libpod-{CID}.scope"),
+    (
+        f"0::/machine.slice/libpod-conmon-{CID}.scope\n",
+        "container",
+        None,
+        CID,
+        "podman",
+        f"libpod-conmon-{CID}.scope",
+    ),
+    (
+        f"0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{CID}.scope\n",
+        "container",
+        None,
+        CID,
+        "podman",
+        f"libpod-{CID}.scope",
+    ),
     # systemd services, login sessions, host
     ("0::/system.slice/sshd.service\n", "service", None, None, None, "sshd.service"),
     ("0::/system.slice/containerd.service\n", "service", None, None, None, "containerd.service"),
@@ -407,6 +427,23 @@ def test_stop_commands_by_owner_name_the_real_pids() -> None:
         f"kill 12 34; docker stop {CID[:12]}; podman stop {CID[:12]}; systemctl stop npu-daemon.service; "
         f"kubectl delete pod -n team-a train-0; crictl stopp $(crictl pods -q --label io.kubernetes.pod.uid={UID})"
     )
+
+
+def test_podman_containers_are_stopped_with_podman_and_rootless_ones_as_their_user() -> None:
+    cgroupfs = Holder(_info(41, "python train.py", f"/libpod_parent/libpod-{CID}"))
+    assert cgroupfs.where() == f"podman container {CID[:12]} outside Kubernetes"
+    assert stop_hint([cgroupfs]) == f"podman stop {CID[:12]}"
+    rootless = Holder(
+        _info(42, "python", f"/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{CID}.scope")
+    )
+    assert rootless.owner.rootless_uid == 1000
+    assert rootless.where() == f"podman container {CID[:12]} (rootless, uid 1000) outside Kubernetes"
+    assert stop_hint([rootless]) == f"sudo -u '#1000' XDG_RUNTIME_DIR=/run/user/1000 podman stop {CID[:12]}"
+    assert classify_cgroup_path("/libpod_parent/conmon").kind == "host"  # conmon holds no device of a job
+    assert classify_cgroup_path(f"/system.slice/docker-{CID}.scope").container_command("exec", "rm /x") == (
+        f"docker exec {CID[:12]} rm /x"
+    )
+    assert classify_cgroup_path("/system.slice/x.service").container_command("stop") is None
 
 
 def test_holders_are_named_by_pid_and_executable_and_the_command_line_only_when_allowed() -> None:

@@ -128,6 +128,37 @@ def holding(path: Path, *extra_args: str) -> Iterator[subprocess.Popen[bytes]]:
         child.wait()
 
 
+# Maps one page of a device node (MAP_PRIVATE: /dev/zero's number allows it, and its shared mappings become shmem)
+# with libc's mmap (Python's mmap module keeps a dup of the fd), then closes the fd: only the mapping holds it.
+_MAPPER = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+fd = os.open(sys.argv[-1], os.O_RDWR)
+address = libc.mmap(None, 4096, 3, 2, fd, 0)
+assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+os.close(fd)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@contextlib.contextmanager
+def mapping(path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A real child process that has `path` (a device node that maps, e.g. /dev/zero's 1:5) mapped and no fd
+    open on it, until the block ends."""
+    child = subprocess.Popen([sys.executable, "-c", _MAPPER, str(path)], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        fds = [os.readlink(f"/proc/{child.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{child.pid}/fd")]
+        assert str(path) not in fds, fds
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
 def containerd_bundle(host_root: Path, container_id: str, namespace: str, name: str, container: str) -> Path:
     """config.json of a container as containerd's CRI plugin writes it (annotations only) under host_root."""
     bundle = host_root / "run/containerd/io.containerd.runtime.v2.task/k8s.io" / container_id

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support.fake_npu_smi import FakeSmi, context, make_dev, npu_fixture, run_probe, sample, table
 from support.fusefs import fuse_mount
-from support.pod_cgroups import containerd_bundle, holding, idle_devices, pod_cgroups
+from support.pod_cgroups import containerd_bundle, holding, idle_devices, mapping, pod_cgroups
 from support.system import fuse_capable, require
 
 from probes.base import Finding, Status
@@ -251,3 +251,22 @@ def test_holder_of_only_the_shared_node_warns(tmp_path: Path, fake: FakeSmi, fre
         # A node daemon that must keep the node open can be allowed by name.
         findings, _ = run_probe(context(tmp_path, {"holder_ignore_commands": [comm]}, proc=Path("/proc"), dev=host_dev))
         assert all(h["pid"] != child.pid for h in findings[("npu.holders", "")].observed["holders"])
+
+
+@pytest.mark.system
+def test_a_process_that_mapped_the_node_and_closed_its_fd_is_the_holder(tmp_path: Path, fake: FakeSmi) -> None:
+    """The Ascend runtime keeps mappings of its device nodes: a holder with no fd open on the node still holds
+    the chip. The node is mknod'ed with /dev/zero's number (1:5), a device that maps; npu-smi lists no process."""
+    host_dev = make_dev(tmp_path / "dev", {"davinci1": (1, 5)})
+    with mapping(host_dev / "davinci1") as child:
+        fake.answer({"info": table("910b1-8card-healthy-1proc-info-24.1.0.txt")})
+        findings, _ = run_probe(context(tmp_path, {"hbm_leak_min_mib": 1000}, proc=Path("/proc"), dev=host_dev))
+    held = findings[("npu.holders", "npu1")]
+    assert (held.status, held.reason, held.device) == (Status.FAIL, "NpuHeldOutOfBand", 1)
+    assert f"PID {child.pid} ({Path(sys.executable).name})" in held.message and "/dev/davinci1" in held.message
+    assert f"kill {child.pid}" in held.hint
+    holder = _holder(held, child.pid)
+    assert (holder["sources"], holder["things"]) == (["mmap"], ["davinci1"])
+    # The HBM the mapping holder uses is in use, not leaked; a chip nobody holds with as much in use is.
+    assert findings[("npu.hbm", "npu1")].status == Status.OK
+    assert findings[("npu.hbm", "npu2")].reason == "NpuHbmLeaked"
