@@ -82,6 +82,9 @@ class NpuInfo:
     has_process_table: bool
     # False on the 950 layout, which has no chip column: detail queries then take `-i CARD` only.
     has_chip_column: bool = True
+    # Cards the process table names (a process row, or "No running processes found in NPU N"): a whole table
+    # names every card of the chip table.
+    process_cards: frozenset[int] = frozenset()
 
 
 # --- npu-smi info ----------------------------------------------------------------------------------
@@ -281,8 +284,8 @@ def parse_info(text: str) -> NpuInfo:
     has_chip_column = any(name == "chip" for cell in header[1] for name, _ in _header_names(cell))
     if sections.process_header is None:
         return NpuInfo(sections.version, tuple(chips), has_process_table=False, has_chip_column=has_chip_column)
-    chips = _attach_processes(chips, sections.process_header, sections.process_rows)
-    return NpuInfo(sections.version, tuple(chips), has_process_table=True, has_chip_column=has_chip_column)
+    chips, cards = _attach_processes(chips, sections.process_header, sections.process_rows)
+    return NpuInfo(sections.version, tuple(chips), True, has_chip_column, cards)
 
 
 class _Sections:
@@ -429,9 +432,13 @@ def _process_values(header: list[str], cells: list[str], what: str) -> dict[str,
     return values
 
 
-def _attach_processes(chips: list[NpuChip], header: list[str], rows: list[list[str]]) -> list[NpuChip]:
+def _attach_processes(
+    chips: list[NpuChip], header: list[str], rows: list[list[str]]
+) -> tuple[list[NpuChip], frozenset[int]]:
+    """The chips with their processes, and the cards the process table names."""
     by_chip: dict[tuple[int, int], list[NpuProcess]] = {(c.card_id, c.chip_index): [] for c in chips}
     cards = {c.card_id for c in chips}
+    named: set[int] = set()
     for number, cells in enumerate(rows, 1):
         what = f"process row {number}"
         if len(cells) == 1:
@@ -440,6 +447,7 @@ def _attach_processes(chips: list[NpuChip], header: list[str], rows: list[list[s
                 raise NpuSmiParseError(f"{what}: {cells[0].strip()[:60]!r}")
             if int(match.group(1)) not in cards:
                 raise NpuSmiParseError(f"{what}: NPU {match.group(1)} is not in the chip table")
+            named.add(int(match.group(1)))
             continue
         values = _process_values(header, cells, what)
         card = parse_int(values.get("card"), f"{what} NPU", required=True)
@@ -449,6 +457,7 @@ def _attach_processes(chips: list[NpuChip], header: list[str], rows: list[list[s
             raise NpuSmiParseError(f"{what}: NPU {key[0]} chip {key[1]} is not in the chip table")
         pid = parse_int(values.get("pid"), f"{what} Process id", required=True)
         assert pid is not None
+        named.add(key[0])
         by_chip[key].append(
             NpuProcess(
                 pid=pid,
@@ -457,4 +466,4 @@ def _attach_processes(chips: list[NpuChip], header: list[str], rows: list[list[s
                 container_pid=parse_int(values.get("container_pid"), f"{what} Process id in container"),
             )
         )
-    return [replace(c, processes=tuple(by_chip[(c.card_id, c.chip_index)])) for c in chips]
+    return [replace(c, processes=tuple(by_chip[(c.card_id, c.chip_index)])) for c in chips], frozenset(named)

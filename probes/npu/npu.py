@@ -1,7 +1,8 @@
 """npu.smi, npu.health, npu.hbm, npu.holders: Ascend NPUs as npu-smi and /proc see them.
 
 - npu.smi: npu-smi answers (or why not: -8005 init failure, -8020 device held elsewhere, permission,
-  timeout). A missing npu-smi makes the whole probe skip.
+  timeout, a table cut short). A missing npu-smi is NpuToolMissing (unknown) on a node with /dev/davinciN
+  nodes, where npu.holders still runs; on a node without them the whole probe skips.
 - npu.health: per chip, the health word (Warning → warn, Alarm / Critical → fail; configurable) with the
   error codes of `-t health`; chips expected (a /dev/davinciN node, or npu.expected_chips) but not listed.
 - npu.hbm: per chip, free device memory below npu.min_hbm_free_mib; memory in use with no process.
@@ -35,14 +36,24 @@ from probes.base import (
     Status,
     register,
 )
+from probes.npu.completeness import parse_card_list, shortfall, table_cut
 from probes.npu.config import NpuConfig
 from probes.npu.details import ChipMapping, HealthDetail, parse_health, parse_mapping, parse_proc_mem, resolve_ids
 from probes.npu.findings import chip_subject, hbm_findings, health_findings
 from probes.npu.holder_findings import holder_findings, numbers_held_by_fd, where_looked
 from probes.npu.info_table import NpuChip, NpuInfo, parse_info
 from probes.npu.metrics import chip_samples
-from probes.npu.reasons import HBM, HEALTH, NPU_SMI_FAILED, REASONS, SMI, configured_health_reasons
-from probes.npu.smi import binary_found, run_smi, smi_binary
+from probes.npu.reasons import (
+    HBM,
+    HEALTH,
+    NPU_SMI_FAILED,
+    NPU_TABLE_TRUNCATED,
+    NPU_TOOL_MISSING,
+    REASONS,
+    SMI,
+    configured_health_reasons,
+)
+from probes.npu.smi import binary_found, run_smi, search_smi, smi_binary
 from probes.runtime.holders import DeviceScan, HolderScan, PodNames, device_holders, device_nodes, scan_devices
 
 _DAVINCI = re.compile(r"^davinci(\d+)$")
@@ -115,36 +126,33 @@ class NpuProbe(Probe):
         argv = ctx.settings(NpuConfig).smi_command
         if not argv:
             return "npu.smi_command is empty"
-        if binary_found(ctx, argv[0], host_namespace=False):
+        launcher = binary_found(ctx, argv[0], host_namespace=False)
+        if launcher:
             binary, elsewhere = smi_binary(argv)
             if not elsewhere or binary_found(ctx, binary, host_namespace=True):
                 return None
-            # nsenter into the host: npu-smi may live anywhere on the host's PATH; a davinci node says "NPU host".
-            if davinci_numbers(ctx.host.dev):
-                return None
+        # A davinci node says "NPU host": without npu-smi the chips cannot be read (NpuToolMissing), and
+        # npu.holders still runs. (Through nsenter, npu-smi may also live anywhere on the host's PATH.)
+        if davinci_numbers(ctx.host.dev):
+            return None
+        if launcher or Path(argv[0]).name == "npu-smi":
             return "no npu-smi on this host"
-        return "no npu-smi on this host" if Path(argv[0]).name == "npu-smi" else f"no {argv[0]} on this host"
+        return f"no {argv[0]} on this host"
 
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(NpuConfig)
         davinci = davinci_numbers(ctx.host.dev)
         # The fd scan first: it is quick, and a hung npu-smi must not starve it of its deadline.
         scan = self._scan(ctx, settings)
-        info, table_findings = self._table(ctx, settings)
+        info, table_findings = self._table(ctx, settings, davinci)
         out: ProbeOutput = list(table_findings)
         chips: tuple[NpuChip, ...] = ()
         proc_mem_errors: dict[ChipKey, str] = {}
         if info is not None:
-            chips, smi_finding = self._chips(ctx, settings, info, proc_mem_errors)
-            out.append(smi_finding)
-            details = self._health_details(ctx, settings, info, chips)
-            out.extend(health_findings(chips, details, settings.health_status, davinci, settings.expected_chips))
-            ctx.host.devices.publish(
-                "npu",
-                [(c.logical_id, chip_subject(c), c.bus_id) for c in chips if c.bus_id and c.logical_id is not None],
-            )
+            chips, judged = self._judge_table(ctx, settings, info, davinci, proc_mem_errors)
+            out.extend(judged)
         holders = self._holders(ctx, scan, chips)
-        if info is not None:
+        if chips:
             held = numbers_held_by_fd(holders)
             out.extend(hbm_findings(chips, settings.min_hbm_free_mib, settings.hbm_leak_min_mib, held, proc_mem_errors))
         where = where_looked(ctx.host.dev, settings.holder_devices)
@@ -165,10 +173,36 @@ class NpuProbe(Probe):
 
     # --- steps ---
 
-    def _table(self, ctx: ProbeContext, settings: NpuConfig) -> tuple[NpuInfo | None, list[Finding]]:
+    def _judge_table(
+        self,
+        ctx: ProbeContext,
+        settings: NpuConfig,
+        info: NpuInfo,
+        davinci: list[int],
+        proc_mem_errors: dict[ChipKey, str],
+    ) -> tuple[tuple[NpuChip, ...], list[Finding]]:
+        """The chips of a whole table and their npu.smi and npu.health findings; no chips for a table cut short."""
+        chips, smi_finding = self._chips(ctx, settings, info, proc_mem_errors)
+        cut = self._cut_short(ctx, settings, info, chips, davinci)
+        if cut:
+            return (), cut
+        details = self._health_details(ctx, settings, info, chips)
+        health = health_findings(chips, details, settings.health_status, davinci, settings.expected_chips)
+        findings = [smi_finding, *health]
+        ctx.host.devices.publish(
+            "npu",
+            [(c.logical_id, chip_subject(c), c.bus_id) for c in chips if c.bus_id and c.logical_id is not None],
+        )
+        return chips, findings
+
+    def _table(
+        self, ctx: ProbeContext, settings: NpuConfig, davinci: list[int]
+    ) -> tuple[NpuInfo | None, list[Finding]]:
         """`npu-smi info` parsed, or the findings that say why there is no table."""
         text, failure = run_smi(ctx, settings, ["info"])
         if failure is not None and failure.kind == "not_installed":
+            if davinci:
+                return None, _tool_missing(ctx, settings, davinci)
             checks = (SMI, HEALTH, HBM)
             return None, [check.report(NOT_APPLICABLE, "", "no npu-smi on this host") for check in checks]
         if failure is not None:
@@ -177,11 +211,43 @@ class NpuProbe(Probe):
                 observed["ret"] = failure.ret
             return None, _no_table(NPU_SMI_FAILED, Status.FAIL, failure.message, failure.hint, observed)
         try:
-            return parse_info(text or ""), []
+            info = parse_info(text or "")
         except ProbeParseError as exc:
             message = f"npu-smi info not understood: {exc}"
             hint = "the table layout is new to the agent: report the `npu-smi info` output"
             return None, _no_table(PARSE_ERROR, Status.UNKNOWN, message, hint, {"output": (text or "")[:300]})
+        cut = table_cut(text or "")
+        if cut:
+            return None, _truncated(f"{cut} after {len(info.chips)} chips", {"output": (text or "")[-300:]})
+        return info, []
+
+    def _cut_short(
+        self, ctx: ProbeContext, settings: NpuConfig, info: NpuInfo, chips: tuple[NpuChip, ...], davinci: list[int]
+    ) -> list[Finding]:
+        """When chips are expected that the table does not list: the findings of a table cut short (npu-smi
+        info -l counts more), or [] when the table is whole and the chips are missing."""
+        listed = {chip.device_number for chip in chips}
+        unlisted = [n for n in davinci if n not in listed]
+        expected = settings.expected_chips
+        if not unlisted and (expected is None or len(chips) >= expected):
+            return []
+        counted, error = None, ""
+        text, failure = run_smi(ctx, settings, ["info", "-l"], reserve=0.5)
+        if failure is not None:
+            error = failure.message
+        else:
+            try:
+                counted = parse_card_list(text or "")
+            except ProbeParseError as exc:
+                error = f"npu-smi info -l not understood: {exc}"
+        why = shortfall(info, counted, error)
+        if not why:
+            return []
+        observed: dict[str, Any] = {"chips_listed": len(chips), "davinci_nodes": len(davinci)}
+        if unlisted:
+            observed["not_listed"] = [f"davinci{n}" for n in unlisted]
+        not_judged = f"; /dev/davinci{', /dev/davinci'.join(map(str, unlisted))} not judged" if unlisted else ""
+        return _truncated(why + not_judged, observed)
 
     def _chips(
         self, ctx: ProbeContext, settings: NpuConfig, info: NpuInfo, proc_mem_errors: dict[ChipKey, str]
@@ -305,6 +371,29 @@ class NpuProbe(Probe):
             exclude=(os.getpid(),),
             read_commands=not ctx.redact_cmdlines,
         )
+
+
+def _tool_missing(ctx: ProbeContext, settings: NpuConfig, davinci: list[int]) -> list[Finding]:
+    """NPU device nodes but no npu-smi to read the chips: their health cannot be known (not a failed chip)."""
+    search = search_smi(ctx, settings.smi_command)
+    nodes = f"{len(davinci)} /dev/davinciN nodes (davinci{davinci[0]}…davinci{davinci[-1]})"
+    message = f"{nodes} but no npu-smi: looked at {search.looked}"
+    observed: dict[str, Any] = {"device_nodes": len(davinci), "smi_command": list(settings.smi_command)}
+    hint = NPU_TOOL_MISSING.hint
+    if search.elsewhere:
+        observed["found_elsewhere"] = list(search.elsewhere)
+        message += f"; a copy is at {', '.join(search.elsewhere)}, which npu.smi_command does not run"
+        hint = (
+            f"point npu.smi_command at it, e.g. [nsenter, -t, 1, -m, --, {search.elsewhere[-1]}] (the host's "
+            "npu-smi needs the host's driver libraries)"
+        )
+    return [check.report(NPU_TOOL_MISSING, "", message, observed, hint=hint) for check in (SMI, HEALTH, HBM)]
+
+
+def _truncated(why: str, observed: dict[str, Any]) -> list[Finding]:
+    """A table cut short: no chip is judged from it (the chips it left out are not missing, only unseen)."""
+    message = f"npu-smi info ended early: {why}"
+    return _no_table(NPU_TABLE_TRUNCATED, Status.UNKNOWN, message, NPU_TABLE_TRUNCATED.hint, observed)
 
 
 def _no_table(reason: Reason, status: Status, message: str, hint: str, observed: dict[str, Any]) -> list[Finding]:

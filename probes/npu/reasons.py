@@ -24,6 +24,27 @@ _HEALTH_FIX = (
     "look the error codes up in Ascend's fault-code table (faultCode.json of the device plugin); drain the node "
     "and reset the chip (npu-smi set -t reset -i CARD -c CHIP) or reboot; replace the card if it comes back"
 )
+NPU_TOOL_MISSING = Reason(
+    "NpuToolMissing",
+    Status.UNKNOWN,
+    "/dev/davinciN nodes but no npu-smi the agent can run: not through npu.smi_command, not on PATH, not in the "
+    "host's bin directories nor the driver's /usr/local/Ascend/driver/tools under host.root; npu.smi, npu.health "
+    "and npu.hbm cannot be read (npu.holders still runs)",
+    "install the Ascend driver's tools (the run package puts npu-smi in /usr/local/Ascend/driver/tools and links "
+    "/usr/local/sbin/npu-smi), or point npu.smi_command at it, e.g. [nsenter, -t, 1, -m, --, "
+    "/usr/local/Ascend/driver/tools/npu-smi]",
+)
+NPU_TABLE_TRUNCATED = Reason(
+    "NpuTableTruncated",
+    Status.UNKNOWN,
+    "`npu-smi info` ended early: its table has no closing border, or it lists fewer chips than expected "
+    "(/dev/davinciN nodes, npu.expected_chips) and `npu-smi info -l` counts more (or cannot count them and the "
+    "table's process section does not name every card); the chips left out are not judged missing, npu.smi, "
+    "npu.health and npu.hbm are unknown",
+    "a cut table is a tool problem, not a card problem: run `npu-smi info` on the host and compare with "
+    "`npu-smi info -l`; npu-smi killed part-way (raise npu.smi_timeout_seconds) or a driver that stops answering "
+    "mid-query (check `dmesg` for davinci/drv errors) cuts it",
+)
 NPU_HEALTH_WARNING = Reason(
     "NpuHealthWarning",
     Status.WARN,
@@ -54,8 +75,8 @@ NPU_HEALTH_UNRECOGNIZED = Reason(
 NPU_MISSING = Reason(
     "NpuMissing",
     Status.FAIL,
-    "a /dev/davinciN (or npu.expected_chips) chip npu-smi does not list, or a chip with health UNKNOWN "
-    "(absent or not started)",
+    "a /dev/davinciN (or npu.expected_chips) chip a whole npu-smi table does not list (a cut table is "
+    "NpuTableTruncated), or a chip with health UNKNOWN (absent or not started)",
     "the chip fell off the bus or did not start: check `dmesg` for davinci/PCIe errors and `lspci -d 19e5:`; "
     "reset or reboot the node; reseat or replace the card if it stays missing",
 )
@@ -103,6 +124,8 @@ NPU_HOLDER_SCAN_FAILED = Reason(
 
 REASONS = (
     NPU_SMI_FAILED,
+    NPU_TOOL_MISSING,
+    NPU_TABLE_TRUNCATED,
     NPU_HEALTH_WARNING,
     NPU_HEALTH_ALARM,
     NPU_HEALTH_CRITICAL,

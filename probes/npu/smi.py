@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 # Where npu-smi lives on Ascend hosts, for a command run in the host's mount namespace (nsenter ... --).
 HOST_BIN_DIRS = ("/usr/local/bin", "/usr/local/sbin", "/usr/bin", "/usr/sbin", "/bin", "/sbin")
+# Where the Ascend driver's run package installs it (the links in /usr/local/sbin may be missing).
+DRIVER_TOOL_DIRS = ("/usr/local/Ascend/driver/tools",)
 
 # --- failures --------------------------------------------------------------------------------------
 
@@ -177,6 +179,28 @@ def binary_found(ctx: ProbeContext, binary: str, host_namespace: bool) -> bool:
     return any(os.access(ctx.host.root_path(f"{d}/{binary}"), os.X_OK) for d in HOST_BIN_DIRS) or (
         str(ctx.host.root) == "/" and shutil.which(binary) is not None
     )
+
+
+@dataclass(frozen=True)
+class SmiSearch:
+    """Where npu-smi was looked for when the configured command could not run it, and any copy found there
+    that the command does not reach (for the hint)."""
+
+    looked: str
+    elsewhere: tuple[str, ...]
+
+
+def search_smi(ctx: ProbeContext, argv: Sequence[str]) -> SmiSearch:
+    """npu-smi on the agent's PATH, in the host's bin directories and the driver's tool directory under
+    host.root: where it was looked for, and the host paths where a copy is."""
+    binary, _ = smi_binary(argv)
+    name = Path(binary).name or "npu-smi"
+    found = [binary] if "/" not in binary and ctx.host.which(binary) else []
+    host_dirs = (*HOST_BIN_DIRS, *DRIVER_TOOL_DIRS)
+    found += [f"{d}/{name}" for d in host_dirs if os.access(ctx.host.root_path(f"{d}/{name}"), os.X_OK)]
+    where = "" if str(ctx.host.root) == "/" else f" under host.root {ctx.host.root}"
+    looked = f"`{' '.join(argv)}`, the agent's PATH and {', '.join(host_dirs)}{where}"
+    return SmiSearch(looked, tuple(dict.fromkeys(found)))
 
 
 def run_smi(

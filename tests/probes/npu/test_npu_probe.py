@@ -19,6 +19,7 @@ from support.system import REPO, require_root, require_tool
 
 from probes.base import OBSERVED_HBM_FREE_MIB, Status
 from probes.npu.npu import NpuProbe
+from probes.runtime.host import Host
 
 
 @pytest.fixture
@@ -136,11 +137,61 @@ def test_nsenter_prefix_without_npu_smi_on_the_host(tmp_path: Path) -> None:
     argv = [nsenter, "--", "npu-smi-not-installed-here"]
     # No npu-smi and no /dev/davinci*: skip before running anything.
     assert NpuProbe().applicable(context(tmp_path, {"smi_command": argv})) == "no npu-smi on this host"
-    # With a davinci node the probe runs; nsenter's exit status 127 then means "not installed": skip.
+    # With a davinci node the probe runs; nsenter's exit status 127 means "not installed": the chips are unknown.
     dev = make_dev(tmp_path / "dev", {"davinci0": (240, 0)})
     findings, _ = run_probe(context(tmp_path, {"smi_command": argv}, dev=dev))
-    assert findings[("npu.smi", "")].status == Status.SKIP
-    assert findings[("npu.smi", "")].message == "no npu-smi on this host"
+    smi = findings[("npu.smi", "")]
+    assert (smi.status, smi.reason) == (Status.UNKNOWN, "NpuToolMissing")
+
+
+@pytest.mark.system
+def test_davinci_nodes_without_npu_smi_anywhere_are_unknown_not_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The field variant: /dev/davinci0-7 present, npu-smi nowhere (not on PATH, not in the host's bin
+    directories, not in the driver's tools directory): every chip check is unknown, npu.holders still runs."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    dev = make_dev(tmp_path / "dev", {f"davinci{n}": (240, n) for n in range(8)})
+    ctx = context(tmp_path, dev=dev)
+    assert NpuProbe().applicable(ctx) is None
+    findings, _ = run_probe(ctx)
+    for check in ("npu.smi", "npu.health", "npu.hbm"):
+        missing = findings[(check, "")]
+        assert (missing.status, missing.reason) == (Status.UNKNOWN, "NpuToolMissing"), missing
+        assert "8 /dev/davinciN nodes (davinci0…davinci7) but no npu-smi" in missing.message
+        assert "/usr/local/Ascend/driver/tools" in missing.message
+        assert "install the Ascend driver's tools" in missing.hint and "npu.smi_command" in missing.hint
+    assert not any(f.reason == "NpuMissing" for f in findings.values())
+    assert findings[("npu.holders", "npu0")].status == Status.OK  # the fd scan ran without npu-smi
+    # No davinci node: no NPU here, the probe skips.
+    (tmp_path / "other").mkdir()
+    assert NpuProbe().applicable(context(tmp_path / "other")) == "no npu-smi on this host"
+
+
+@pytest.mark.system
+def test_npu_smi_only_in_the_drivers_tools_directory_is_named_in_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    root = tmp_path / "host"
+    tools = root / "usr/local/Ascend/driver/tools"
+    tools.mkdir(parents=True)
+    (tools / "npu-smi").write_text("#!/bin/sh\nexit 0\n")
+    (tools / "npu-smi").chmod(0o755)
+    dev = make_dev(tmp_path / "dev", {"davinci0": (240, 0)})
+    ctx = context(tmp_path, dev=dev)
+    ctx = type(ctx)(Host(proc=ctx.host.proc, dev=dev, root=root), ctx.config, 10.0)
+    findings, _ = run_probe(ctx)
+    smi = findings[("npu.smi", "")]
+    assert (smi.status, smi.reason) == (Status.UNKNOWN, "NpuToolMissing")
+    assert smi.observed["found_elsewhere"] == ["/usr/local/Ascend/driver/tools/npu-smi"]
+    assert f"under host.root {root}" in smi.message
+    assert smi.hint.startswith("point npu.smi_command at it, e.g. [nsenter, -t, 1, -m, --, ")
+    assert "/usr/local/Ascend/driver/tools/npu-smi]" in smi.hint
 
 
 @pytest.mark.system
@@ -238,6 +289,70 @@ def test_chip_with_a_davinci_node_but_not_listed_is_missing(tmp_path: Path, fake
     findings, _ = run_probe(context(tmp_path, {"expected_chips": 10}, dev=dev))
     node = findings[("npu.health", "")]
     assert (node.status, node.reason, node.observed["expected_chips"]) == (Status.FAIL, "NpuMissing", 10)
+
+
+def _cut_after_chip(name: str, chip: int, rows: int = 3) -> str:
+    """A captured table up to chip `chip`'s two rows and, with rows=3, its border: as npu-smi leaves it when it
+    is killed, or its output is lost, part-way."""
+    lines = npu_fixture(name).read_text().splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if line.startswith(f"| {chip}     "))
+    return "".join(lines[: first + rows])
+
+
+@pytest.mark.system
+def test_a_table_cut_short_is_a_tool_problem_never_missing_chips(tmp_path: Path, fake: FakeSmi) -> None:
+    """The field variant: `npu-smi info` printed four of the eight chips. The chips it left out did not fall off
+    the bus: nothing is judged from the table, and the fix is about the tool, not the card."""
+    cut = _cut_after_chip("910b1-8card-healthy-1proc-info-24.1.0.txt", 3)
+    dev = make_dev(tmp_path / "dev", {f"davinci{n}": (240, n) for n in range(8)})
+    fake.answer({"info": {"stdout": cut}, "info -l": table("910b-l-list-8card-25.5.1-yunion-telegraf.txt")})
+    findings, _ = run_probe(context(tmp_path, dev=dev))
+    assert "info -l" in fake.calls()
+    for check in ("npu.smi", "npu.health", "npu.hbm"):
+        truncated = findings[(check, "")]
+        assert (truncated.status, truncated.reason) == (Status.UNKNOWN, "NpuTableTruncated"), truncated
+        assert "`npu-smi info -l` counts 8 NPUs (8 chips), the table lists 4 NPUs (4 chips)" in truncated.message
+        assert "/dev/davinci4, /dev/davinci5, /dev/davinci6, /dev/davinci7 not judged" in truncated.message
+        assert "not a card problem" in truncated.hint and "reseat" not in truncated.hint
+    assert not any(f.reason == "NpuMissing" for f in findings.values())
+    assert not any(f.subject.startswith("npu") for f in findings.values() if f.check in ("npu.health", "npu.hbm"))
+
+    # Cut inside a chip's rows (the table ends in a row): told from the table itself, without asking -l.
+    fake.answer({"info": {"stdout": _cut_after_chip("910b1-8card-healthy-1proc-info-24.1.0.txt", 3, rows=2)}})
+    findings, _ = run_probe(context(tmp_path, dev=dev))
+    smi = findings[("npu.smi", "")]
+    assert (smi.status, smi.reason) == (Status.UNKNOWN, "NpuTableTruncated")
+    assert "the table ends in a row, without its closing border after 4 chips" in smi.message
+    assert fake.calls() == ["info"]
+
+    # -l cannot count and the table has no process section to show it is whole: still not known, not missing.
+    fake.answer({"info": {"stdout": cut}})
+    findings, _ = run_probe(context(tmp_path, dev=dev))
+    health = findings[("npu.health", "")]
+    assert (health.status, health.reason) == (Status.UNKNOWN, "NpuTableTruncated")
+    assert "its process section is absent, and `npu-smi info -l` could not count them" in health.message
+
+    # Chips expected by npu.expected_chips (no davinci node visible): the same.
+    fake.answer({"info": {"stdout": cut}, "info -l": table("910b-l-list-8card-25.5.1-yunion-telegraf.txt")})
+    findings, _ = run_probe(context(tmp_path, {"expected_chips": 8}))
+    assert findings[("npu.health", "")].reason == "NpuTableTruncated"
+
+
+@pytest.mark.system
+def test_a_whole_table_that_misses_a_chip_the_driver_counts_the_same_is_npu_missing(
+    tmp_path: Path, fake: FakeSmi
+) -> None:
+    fake.answer(
+        {
+            "info": table("910b1-8card-healthy-1proc-info-24.1.0.txt"),
+            "info -l": table("910b-l-list-8card-25.5.1-yunion-telegraf.txt"),
+        }
+    )
+    dev = make_dev(tmp_path / "dev", {f"davinci{n}": (240, n) for n in range(9)})
+    findings, _ = run_probe(context(tmp_path, dev=dev))
+    missing = findings[("npu.health", "npu8")]
+    assert (missing.status, missing.reason) == (Status.FAIL, "NpuMissing")
+    assert "fell off the bus" in missing.hint
 
 
 # --- hbm ------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from support.system import FIXTURES, require_fixtures
 
 from probes.base import ProbeParseError
+from probes.npu.completeness import CardCount, parse_card_list, shortfall, table_cut
 from probes.npu.details import (
     ChipMapping,
     parse_health,
@@ -391,6 +392,32 @@ def test_a_table_is_not_a_failure() -> None:
 # --- coverage of the fixture directory, and robustness -------------------------------------------
 
 
+# --- is the table whole? ----------------------------------------------------------------------------
+
+
+def test_card_list_counts_the_npus_and_their_chips() -> None:
+    counted = parse_card_list(fixture("910b-l-list-8card-25.5.1-yunion-telegraf.txt"))
+    assert (counted.total, counted.chips, counted.chip_total) == (8, dict.fromkeys(range(8), 1), 8)
+    assert parse_card_list(fixture("950-docexample-l-list.txt")).total >= 1
+    with pytest.raises(NpuSmiParseError, match="Total Count"):
+        parse_card_list("NPU ID : 0\nChip Count : 1\n")
+
+
+def test_a_table_is_cut_when_it_ends_in_a_row_and_whole_when_its_process_section_names_every_card() -> None:
+    whole = fixture("910b1-8card-healthy-1proc-info-24.1.0.txt")
+    assert table_cut(whole) == "" and table_cut(whole + "\nsome warning after the table\n") == ""
+    assert "without its closing border" in table_cut("\n".join(whole.splitlines()[:-1]))
+    parsed = parse_info(whole)
+    assert parsed.process_cards == frozenset(range(8))
+    assert shortfall(parsed, None, "-l not supported") == ""  # every card named: whole, the chip is missing
+    assert shortfall(parsed, CardCount(8, dict.fromkeys(range(8), 1)), "") == ""
+    assert "counts 9 NPUs" in shortfall(parsed, CardCount(9, {}), "")
+    partial = info("910b2c-2card-1proc-info-23.0.2.1-trailing-spaces.txt")  # the process block names card 0 only
+    assert partial.process_cards == frozenset({0})
+    assert "names only some of them" in shortfall(partial, None, "timeout")
+    assert "is absent" in shortfall(info("910b3-8card-healthy-info-24.1.rc1-noproc-section.txt"), None, "timeout")
+
+
 def test_every_fixture_is_covered() -> None:
     """Every captured output has a test above that names it (and so reads it through `fixture`)."""
     present = {p.name for p in require_fixtures().joinpath("npu-smi").iterdir() if p.name != "SOURCES.md"}
@@ -406,7 +433,7 @@ def _all_texts() -> list[str]:
 
 
 TEXTS = _all_texts()
-PARSERS = (parse_info, parse_mapping, parse_health, parse_proc_mem, parse_key_values)
+PARSERS = (parse_info, parse_mapping, parse_health, parse_proc_mem, parse_key_values, parse_card_list, table_cut)
 
 
 @st.composite
