@@ -43,9 +43,11 @@ DNS_FAILED = Reason(
 DNS_SLOW = Reason(
     "DnsSlow",
     Status.WARN,
-    "the name resolved, but slower than network.dns.slow_seconds",
-    "find the slow nameserver (often the first one times out and the next answers): dig @SERVER NAME; "
-    "reorder or fix it",
+    "the name resolved, but slower than network.dns.slow_seconds; the message names each nameserver that did "
+    "not answer and what it cost (the wait resolv.conf's options timeout gives it, as the C library does)",
+    "a nameserver that does not answer costs every lookup on the node its timeout before the next is asked: "
+    "fix it or take it out of resolv.conf (dig @SERVER NAME); a slow answer with no silent nameserver is the "
+    "nameserver's own slowness",
 )
 
 DNS_HINTS = {
@@ -94,13 +96,17 @@ def dns_finding(lookup: Lookup, outcome: DnsOutcome, lifetime: float, slow_secon
         "source": setup.source,
         "resolver": lookup.resolver,
     }
+    if outcome.schedule:
+        observed["tries"] = outcome.schedule
+    if outcome.silent:
+        observed["silent_nameservers"] = [server for server, _ in outcome.silent]
     if outcome.ok:
         observed["addresses"] = list(outcome.addresses[:8])
+        observed["answered_by"] = outcome.answered_by
         if outcome.resolved_as and outcome.resolved_as != outcome.name:
             observed["resolved_as"] = outcome.resolved_as
         if outcome.duration > slow_seconds:
-            message = f"{outcome.name} resolved in {outcome.duration:.2f} s, above {slow_seconds:g} s"
-            return DNS.report(DNS_SLOW, outcome.name, message, observed)
+            return slow_finding(lookup, outcome, slow_seconds, observed)
         shown = ", ".join(outcome.addresses[:3])
         return DNS.ok(outcome.name, f"{outcome.name} → {shown} in {outcome.duration * 1000:.0f} ms", observed)
     observed["error"] = outcome.kind
@@ -108,7 +114,10 @@ def dns_finding(lookup: Lookup, outcome: DnsOutcome, lifetime: float, slow_secon
         observed["detail"] = outcome.detail
     servers = ", ".join(setup.nameservers) or "none"
     if outcome.kind == "timeout":
-        message = f"{outcome.name}: timeout, no answer from {servers} within {lifetime:.1f} s"
+        silent = outcome.silent_text() or servers
+        message = f"{outcome.name}: timeout, no answer from {silent} ({outcome.schedule}) in {outcome.duration:.1f} s"
+        if outcome.duration < lifetime - 0.5:
+            message += " (the tries resolv.conf's options allow)"
     elif outcome.kind == "no_nameserver":
         message = f"{outcome.name}: no nameserver: {outcome.detail}"
     elif outcome.kind == "error":
@@ -121,6 +130,20 @@ def dns_finding(lookup: Lookup, outcome: DnsOutcome, lifetime: float, slow_secon
     else:
         hint = DNS_HINTS[outcome.kind]
     return DNS.report(DNS_FAILED, outcome.name, message, observed, hint=hint)
+
+
+def slow_finding(lookup: Lookup, outcome: DnsOutcome, slow_seconds: float, observed: dict[str, Any]) -> Finding:
+    """Resolved, slowly: the nameservers that let their tries go unanswered are the usual cause, named."""
+    message = f"{outcome.name} resolved in {outcome.duration:.2f} s, above {slow_seconds:g} s"
+    if not outcome.silent:
+        return DNS.report(DNS_SLOW, outcome.name, f"{message}; every nameserver asked answered", observed)
+    message += f": {outcome.silent_text()} did not answer ({outcome.schedule}), {outcome.answered_by} answered"
+    first = outcome.silent[0][0]
+    hint = (
+        f"nameserver {first} does not answer: every lookup on this node waits for it before asking the next; fix "
+        f"it or take it out of {lookup.setup.source or 'resolv.conf'} (dig @{first} {outcome.name})"
+    )
+    return DNS.report(DNS_SLOW, outcome.name, message, observed, hint=hint)
 
 
 def deadline_finding(name: str, message: str) -> Finding:

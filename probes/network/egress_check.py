@@ -49,10 +49,26 @@ EGRESS_REFUSED = Reason(
     "the proxy answering CONNECT with e.g. 403, or a reset at the TLS ClientHello (SNI filtering)",
     "add this host:port to the egress whitelist / proxy allow-list, or check the service is listening",
 )
+EGRESS_PROXY_AUTH_REQUIRED = Reason(
+    "EgressProxyAuthRequired",
+    Status.FAIL,
+    "the proxy answered CONNECT with 407 Proxy Authentication Required: it lets this node through only with "
+    "credentials (observed.proxy_authenticate names the scheme it asks for)",
+    "proxy authentication required: check the proxy credentials the node's jobs use (HTTPS_PROXY="
+    "http://USER:PASSWORD@PROXY:PORT; expired or rotated?) or have the proxy admit this node's address without "
+    "them; the agent's own CONNECT carries none",
+)
+EGRESS_PROXY_STALLED = Reason(
+    "EgressProxyStalled",
+    Status.FAIL,
+    "the proxy accepted the TCP connection but did not answer CONNECT within the deadline (observed.phase proxy)",
+    "the proxy accepted the connection but did not answer the CONNECT: the proxy is stalled or filtering (not "
+    "the network on the way to it); check the proxy's health and logs, and its own route to the destination",
+)
 EGRESS_TIMEOUT = Reason(
     "EgressTimeout",
     Status.FAIL,
-    "no answer in time at observed.phase (connect, proxy, tls, http): packets silently dropped",
+    "no answer in time at observed.phase (dns, connect, tls, http): packets silently dropped",
     "the egress firewall or security group silently drops this destination: whitelist it, or check the "
     "routes and the proxy",
 )
@@ -80,6 +96,8 @@ EGRESS_CHECK_FAILED = Reason(
 EGRESS_FAILURES = (
     EGRESS_DNS_FAILED,
     EGRESS_REFUSED,
+    EGRESS_PROXY_AUTH_REQUIRED,
+    EGRESS_PROXY_STALLED,
     EGRESS_TIMEOUT,
     EGRESS_TLS_FAILED,
     EGRESS_HTTP_STATUS,
@@ -247,14 +265,19 @@ def _read_http_head(sock: socket.socket, deadline: Deadline, limit: int = 16384)
 def proxy_connect(sock: socket.socket, proxy: str, host: str, port: int, deadline: Deadline) -> None:
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     request = f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: node-health\r\n\r\n"
+    sock.settimeout(deadline.left("proxy", "the proxy CONNECT"))  # none left: the deadline's, not the proxy's
     try:
-        sock.settimeout(deadline.left("proxy", "the proxy CONNECT"))
         sock.sendall(request.encode())
         head = _read_http_head(sock, deadline)
-    except TimeoutError:
+    except (TimeoutError, EgressError) as exc:
+        if isinstance(exc, EgressError) and exc.reason is not EGRESS_TIMEOUT:
+            raise
+        # Connected, asked, no answer: the proxy itself sits on the request (or drops it), not a firewall on the
+        # way to it, which would have stopped the TCP connect.
         raise EgressError(
-            EGRESS_TIMEOUT,
-            f"proxy {proxy} did not answer CONNECT {authority} within {deadline.describe()}",
+            EGRESS_PROXY_STALLED,
+            f"proxy {proxy} accepted the connection but did not answer CONNECT {authority} within "
+            f"{deadline.describe()}",
             phase="proxy",
         ) from None
     status_line = head.split(b"\r\n", 1)[0].decode("latin-1", "replace").strip()
@@ -262,13 +285,34 @@ def proxy_connect(sock: socket.socket, proxy: str, host: str, port: int, deadlin
     if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
         raise EgressError(EGRESS_REFUSED, f"proxy {proxy} sent no HTTP answer to CONNECT {authority}", phase="proxy")
     status = int(parts[1])
-    if status // 100 != 2:
+    answer = safe_header(status_line[len(parts[0]) + 1 :])
+    if status == 407:
+        scheme = safe_header(_header(head, b"proxy-authenticate"))
+        asks = f" (Proxy-Authenticate: {scheme})" if scheme else ""
         raise EgressError(
-            EGRESS_REFUSED,
-            f"proxy {proxy} answered {status_line[len(parts[0]) + 1 :]} to CONNECT {authority}",
+            EGRESS_PROXY_AUTH_REQUIRED,
+            f"proxy {proxy} answered {answer} to CONNECT {authority}: proxy authentication required{asks}",
             phase="proxy",
             proxy_status=status,
+            proxy_authenticate=scheme,
         )
+    if status // 100 != 2:
+        message = f"proxy {proxy} answered {answer} to CONNECT {authority}"
+        raise EgressError(EGRESS_REFUSED, message, phase="proxy", proxy_status=status)
+
+
+def _header(head: bytes, name: bytes) -> str:
+    """The first value of one header of an HTTP answer's head ("" when absent)."""
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip().decode("latin-1", "replace")
+    return ""
+
+
+def safe_header(text: str, limit: int = 120) -> str:
+    """A proxy's header text as a message may show it: printable characters only, bounded."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
 
 
 _SSL_CONTEXT_LOCK = threading.Lock()

@@ -1,11 +1,12 @@
-"""Name resolution for every family that resolves a name (network.dns, network.egress, time): dnspython
-against the host's resolver (its resolv.conf under the host root, or nameservers the caller names) or the
-pod's own resolv.conf, and /etc/hosts. Everything is passed in as plain values (nameservers, timeouts, whether
-the search list applies), so no family reads another's settings.
+"""Name resolution for every family that resolves a name (network.dns, network.egress, time): the host's
+resolver (its resolv.conf under the host root, or nameservers the caller names) or the pod's own resolv.conf,
+and /etc/hosts. Everything is passed in as plain values (nameservers, timeouts, whether the search list
+applies), so no family reads another's settings.
 
 Never getaddrinfo: glibc blocks uncancellably for timeout x attempts x nameservers x search domains, so a
-lookup could outlive the probe's deadline. dnspython takes a lifetime, which every caller cuts to what the
-probe run has left.
+lookup could outlive the probe's deadline. The lookup (`probes.runtime.dnsquery`) asks the nameservers as glibc
+would, with resolv.conf's `timeout:` and `attempts:`, inside a lifetime every caller cuts to what the probe run
+has left; dnspython reads resolv.conf and builds and parses the messages.
 """
 
 from __future__ import annotations
@@ -14,18 +15,28 @@ import contextlib
 import ipaddress
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import dns.exception
 import dns.name
 import dns.nameserver
+import dns.rcode
 import dns.rdatatype
 import dns.resolver
 
 from probes.runtime.addresses import split_host_port
+from probes.runtime.dnsquery import (
+    LookupTimeout,
+    Nameserver,
+    ResolvOptions,
+    Tries,
+    TrySchedule,
+    ask,
+    candidates,
+    parse_resolv_options,
+)
 from probes.runtime.paths import HostPaths
 
 # dnspython overshoots its lifetime by its backoff sleep (measured up to 0.4 s): keep this much in hand.
@@ -57,6 +68,14 @@ class HostResolverSettings:
         return host_resolver(paths, self.nameservers, self.source)
 
 
+class ConfiguredResolver(dns.resolver.Resolver):
+    """dnspython's resolver configuration (nameservers, search list, ndots), with the resolv.conf options that
+    set glibc's tries (`timeout:`, `attempts:`), which dnspython does not follow; None for nameservers named by
+    a setting rather than a resolv.conf."""
+
+    resolv_options: ResolvOptions | None = None
+
+
 @dataclass(frozen=True)
 class ResolverSetup:
     resolver: dns.resolver.Resolver | None
@@ -65,16 +84,18 @@ class ResolverSetup:
     error: str = ""  # why there is no resolver (no nameserver configured)
     # Expand relative names with the resolv.conf search list (cluster names: kubernetes.default.svc).
     search: bool = False
+    options: ResolvOptions | None = None  # a resolv.conf's timeout and attempts; None: named nameservers
 
-    def new_resolver(self) -> dns.resolver.Resolver:
-        """A private copy for one thread (resolve_name sets its timeouts; resolvers are not thread-safe)."""
+    def new_resolver(self) -> ConfiguredResolver:
+        """A private copy for one thread (resolvers are not thread-safe)."""
         if self.resolver is None:
             raise ValueError(f"no resolver: {self.error}")
-        resolver = dns.resolver.Resolver(configure=False)
+        resolver = ConfiguredResolver(configure=False)
         resolver.nameservers = list(self.resolver.nameservers)
         resolver.search = list(self.resolver.search)
         resolver.domain = self.resolver.domain
         resolver.ndots = self.resolver.ndots
+        resolver.resolv_options = self.options
         return resolver
 
 
@@ -108,7 +129,11 @@ def resolver_from_file(path: Path, search: bool = False) -> ResolverSetup:
         resolver = dns.resolver.Resolver(filename=str(path))
     except dns.resolver.NoResolverConfiguration as exc:
         return ResolverSetup(None, str(path), (), error=f"no nameserver in {path} ({exc})", search=search)
-    return ResolverSetup(resolver, str(path), tuple(str(ns) for ns in resolver.nameservers), search=search)
+    options = ResolvOptions()
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        options = parse_resolv_options(path.read_text())
+    servers = tuple(str(ns) for ns in resolver.nameservers)
+    return ResolverSetup(resolver, str(path), servers, search=search, options=options)
 
 
 def host_resolver(paths: HostPaths, nameservers: Sequence[str] = (), source: str = "") -> ResolverSetup:
@@ -134,10 +159,18 @@ class DnsOutcome:
     kind: str = ""
     detail: str = ""
     resolved_as: str = ""  # the fully qualified name that answered (after search-list expansion)
+    # The nameservers that let a try go unanswered, with the seconds waited for them, in the order asked.
+    silent: tuple[tuple[str, float], ...] = ()
+    answered_by: str = ""  # the nameserver that gave the answer
+    schedule: str = ""  # where each try's wait came from: "resolv.conf options timeout:1"
 
     @property
     def ok(self) -> bool:
         return not self.kind
+
+    def silent_text(self) -> str:
+        """`127.0.0.2 (1.0 s)`, for messages: the nameservers that did not answer and how long each cost."""
+        return ", ".join(f"{server} ({seconds:.1f} s)" for server, seconds in self.silent)
 
 
 DNS_KIND_TEXT = {
@@ -151,67 +184,90 @@ DNS_KIND_TEXT = {
 }
 
 
-def _server_errors(errors: Iterable[Any]) -> tuple[set[str], str]:
-    """rcodes and a short text from dnspython's NoNameservers / LifetimeTimeout `errors` list."""
-    rcodes: set[str] = set()
-    parts: list[str] = []
-    for item in errors:
-        server, _tcp, port, err = item[0], item[1], item[2], item[3]
-        text = err if isinstance(err, str) else (f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
-        if isinstance(err, str):
-            rcodes.add(err)
-        # str(Do53Nameserver) is "Do53:10.0.0.10@53".
-        where = str(server).removeprefix("Do53:").replace("@", ":") if "@" in str(server) else f"{server}:{port}"
-        parts.append(f"{where} {text}")
-    return rcodes, "; ".join(dict.fromkeys(parts))
+def _nameservers(resolver: dns.resolver.Resolver) -> list[Nameserver]:
+    out: list[Nameserver] = []
+    for server in resolver.nameservers:
+        if isinstance(server, dns.nameserver.Do53Nameserver):
+            out.append(Nameserver(server.address, server.port))
+        elif isinstance(server, str):
+            out.append(Nameserver(server, resolver.port))
+    return out
+
+
+def _schedule(resolver: dns.resolver.Resolver, timeout: float) -> TrySchedule:
+    """glibc's tries for a resolv.conf (its timeout and attempts); for named nameservers, `timeout` for every
+    try until the lifetime ends."""
+    options = getattr(resolver, "resolv_options", None)
+    if options is not None:
+        return TrySchedule.from_options(options, timeout)
+    return TrySchedule(timeout, None, False, f"{timeout:g} s per try")
 
 
 def _lookup(
-    resolver: dns.resolver.Resolver, name: str, deadline: float, lifetime: float, search: bool
-) -> tuple[list[str], str]:
-    """A, then AAAA when there is no A record: (addresses, the name that answered)."""
-    for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
-        left = deadline - time.monotonic()
-        if left <= 0.05:
-            raise dns.resolver.LifetimeTimeout(timeout=lifetime, errors=[])
-        try:
-            answer = resolver.resolve(name, rdtype, search=search, lifetime=left)
-        except dns.resolver.NoAnswer:
-            continue
-        addresses = [str(rr) for rr in answer]
-        if addresses:
-            return addresses, answer.qname.to_text(omit_final_dot=True)
-    return [], ""
+    resolver: dns.resolver.Resolver, name: str, deadline: float, search: bool, schedule: TrySchedule, tries: Tries
+) -> tuple[str, list[str], str]:
+    """("", addresses, the name that answered), or (kind, [], "") for a name no candidate resolved: A, then
+    AAAA when a candidate has no A record; raises LookupTimeout."""
+    servers = _nameservers(resolver)
+    if not servers:
+        return "no_nameserver", [], ""
+    kind = "nxdomain"
+    # The search list, else the `domain` line (the C library's fallback); ndots 1 unless resolv.conf says.
+    domains = list(resolver.search) or ([resolver.domain] if resolver.domain != dns.name.root else [])
+    for qname in candidates(name, domains, resolver.ndots or 1, search):
+        for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+            answer = ask(servers, qname, rdtype, schedule, deadline, tries)
+            if answer is None:
+                kind = "servfail" if "SERVFAIL" in tries.errors.values() else "refused"
+                if not all(text in ("SERVFAIL", "REFUSED") for text in tries.errors.values()):
+                    kind = "error"
+                break
+            if answer.rcode() == dns.rcode.NXDOMAIN:
+                break
+            addresses = [str(rr) for rrset in answer.answer if rrset.rdtype == rdtype for rr in rrset]
+            if addresses:
+                return "", addresses, qname.to_text(omit_final_dot=True)
+            kind = "no_answer"
+    return kind, [], ""
 
 
 def resolve_name(
     resolver: dns.resolver.Resolver, name: str, timeout: float, lifetime: float, search: bool = False
 ) -> DnsOutcome:
-    """A then AAAA for one name, bounded by `lifetime` (plus dnspython's overshoot); errors classified.
+    """A then AAAA for one name, bounded by `lifetime`; errors classified, the nameservers that did not
+    answer named. A resolver from a resolv.conf asks as glibc does (`probes.runtime.dnsquery`: its timeout
+    and attempts, `timeout` standing in for glibc's 5 s where it sets none); named nameservers get `timeout`
+    per try until the lifetime ends.
 
     With `search`, a relative name is expanded with the resolver's search list as the C library does
     (ndots decides whether the name is first tried as is).
     """
-    resolver.timeout = min(timeout, lifetime)
-    resolver.lifetime = lifetime
+    schedule = _schedule(resolver, timeout)
+    tries = Tries()
     started = time.monotonic()
+
+    def outcome(kind: str = "", detail: str = "", addresses: tuple[str, ...] = (), resolved_as: str = "") -> DnsOutcome:
+        silent = tuple(tries.silent.items())
+        return DnsOutcome(
+            name, addresses, time.monotonic() - started, kind, detail, resolved_as, silent, tries.answered_by,
+            schedule.source,
+        )  # fmt: skip
+
     try:
-        addresses, resolved_as = _lookup(resolver, name, started + lifetime, lifetime, search)
-    except dns.resolver.NXDOMAIN:
-        return DnsOutcome(name, (), time.monotonic() - started, "nxdomain", "the name does not exist")
-    except dns.resolver.NoNameservers as exc:
-        rcodes, text = _server_errors(exc.kwargs.get("errors") or [])
-        kind = "servfail" if "SERVFAIL" in rcodes else "refused" if "REFUSED" in rcodes else "error"
-        return DnsOutcome(name, (), time.monotonic() - started, kind, text or str(exc))
-    except dns.exception.Timeout as exc:
-        _, text = _server_errors(exc.kwargs.get("errors") or [])
-        return DnsOutcome(name, (), time.monotonic() - started, "timeout", text)
-    except dns.exception.DNSException as exc:
-        return DnsOutcome(name, (), time.monotonic() - started, "error", f"{type(exc).__name__}: {exc}")
-    duration = time.monotonic() - started
-    if not addresses:
-        return DnsOutcome(name, (), duration, "no_answer", "no A or AAAA record")
-    return DnsOutcome(name, tuple(addresses), duration, resolved_as=resolved_as)
+        kind, addresses, resolved_as = _lookup(resolver, name, started + lifetime, search, schedule, tries)
+    except LookupTimeout:
+        return outcome("timeout", "; ".join(f"{server} did not answer" for server in tries.silent) or "no answer")
+    except (ValueError, dns.exception.DNSException) as exc:  # a name dnspython cannot encode
+        return outcome("error", f"{type(exc).__name__}: {exc}")
+    details = {
+        "nxdomain": "the name does not exist",
+        "no_answer": "no A or AAAA record",
+        "no_nameserver": "no nameserver",
+    }
+    if kind:
+        text = details.get(kind) or "; ".join(f"{server} {error}" for server, error in tries.errors.items())
+        return outcome(kind, text)
+    return outcome(addresses=tuple(addresses), resolved_as=resolved_as)
 
 
 def parse_hosts_file(text: str) -> dict[str, list[str]]:

@@ -85,16 +85,18 @@ class DnsTestServer:
 
 
 class SilentUdpPort:
-    """A bound UDP socket nobody reads: queries to it are never answered (and get no ICMP error)."""
+    """A bound UDP socket nobody reads: queries to it are never answered (and get no ICMP error). On port 53 of
+    a loopback address of its own it is a nameserver a resolv.conf can name that stays silent."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = LOOPBACK, port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((LOOPBACK, 0))
+        self.sock.bind((host, port))
+        self.host = host
         self.port: int = self.sock.getsockname()[1]
 
     @property
     def address(self) -> str:
-        return f"{LOOPBACK}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def close(self) -> None:
         self.sock.close()
@@ -341,6 +343,17 @@ class _ConnectHandler(socketserver.BaseRequestHandler):
             data += chunk
         method, target, _ = data.split(b"\r\n", 1)[0].decode().split(" ", 2)
         host, _, port = target.rpartition(":")
+        if self.server.auth_realm and b"\r\nproxy-authorization:" not in data.lower():  # type: ignore[attr-defined]
+            realm = self.server.auth_realm  # type: ignore[attr-defined]
+            conn.sendall(
+                b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+                + f'Proxy-Authenticate: Basic realm="{realm}"\r\nContent-Length: 0\r\n\r\n'.encode()
+            )
+            return
+        if host in self.server.stall_hosts:  # type: ignore[attr-defined]
+            # Like a proxy whose own connection to the destination hangs: the CONNECT is read, never answered.
+            self.server.stop.wait(30)  # type: ignore[attr-defined]
+            return
         upstream_port = self.server.routes.get(host)  # type: ignore[attr-defined]
         if method != "CONNECT" or upstream_port is None:
             conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
@@ -377,12 +390,17 @@ class _ThreadingTcp(socketserver.ThreadingTCPServer):
 
 
 class ConnectProxy:
-    """An HTTP CONNECT proxy that tunnels to 127.0.0.1:<routes[host]> and answers 403 for other hosts."""
+    """An HTTP CONNECT proxy that tunnels to 127.0.0.1:<routes[host]> and answers 403 for other hosts; with
+    `auth_realm` it answers every request without Proxy-Authorization 407 (Basic realm); a CONNECT to one of
+    `stall_hosts` is read and never answered (its own upstream connection hangs)."""
 
-    def __init__(self, routes: dict[str, int]) -> None:
+    def __init__(self, routes: dict[str, int], auth_realm: str = "", stall_hosts: tuple[str, ...] = ()) -> None:
         assert_system_test("ConnectProxy (a server or namespace of the test's own)")
         self._server = _ThreadingTcp((LOOPBACK, 0), _ConnectHandler)
         self._server.routes = routes  # type: ignore[attr-defined]
+        self._server.auth_realm = auth_realm  # type: ignore[attr-defined]
+        self._server.stall_hosts = set(stall_hosts)  # type: ignore[attr-defined]
+        self._server.stop = threading.Event()  # type: ignore[attr-defined]
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self._thread.start()
@@ -392,6 +410,7 @@ class ConnectProxy:
         return f"http://{LOOPBACK}:{self.port}"
 
     def close(self) -> None:
+        self._server.stop.set()  # type: ignore[attr-defined]
         self._server.shutdown()
         self._server.server_close()
 

@@ -16,6 +16,7 @@ from agent.config import ConfigError, parse_config
 from agent.scheduler import execute
 from probes.base import Finding, ProbeContext, Sample, Status
 from probes.network.dns import DnsProbe
+from probes.runtime.dnsquery import ResolvOptions, TrySchedule, parse_resolv_options
 from probes.runtime.host import Host
 from probes.runtime.resolver import parse_hosts_file
 
@@ -160,6 +161,61 @@ def test_systemd_resolved_stub_uses_the_upstream_list(tmp_path: Path, port53_ser
     (finding,) = findings
     assert finding.status is Status.OK and finding.observed["addresses"] == ["127.0.0.9"]
     assert finding.observed["source"] == str(upstream)
+
+
+SILENT_NS, ANSWERING_NS = "127.83.14.21", "127.83.14.22"
+
+
+@pytest.mark.system
+def test_a_silent_first_nameserver_costs_what_resolv_conf_says_and_is_named(tmp_path: Path) -> None:
+    """The field variant: resolv.conf lists a nameserver that stays silent first, with `options timeout:1`.
+    glibc waits 1 s for it and the next one answers: the lookup takes 1.0 s, and the finding names the silent
+    one (not the agent's own 2 s per try)."""
+    require_root()
+    with servers() as started:
+        silent = SilentUdpPort(SILENT_NS, 53)
+        started.append(silent)
+        started.append(serve_port53(ANSWERING_NS, ZoneResolver(ZONE)))
+        (tmp_path / "etc").mkdir()
+        (tmp_path / "etc" / "resolv.conf").write_text(
+            f"nameserver {SILENT_NS}\nnameserver {ANSWERING_NS}\noptions timeout:1\n"
+        )
+        findings, _, _ = run_dns({"names": ["mirror.test"], "slow_seconds": 0.5}, root=tmp_path)
+    (slow,) = findings
+    assert (slow.status, slow.reason) == (Status.WARN, "DnsSlow")
+    assert 0.95 <= slow.observed["seconds"] < 1.6, slow.observed
+    assert slow.observed["addresses"] == ["127.0.0.1"]
+    assert (slow.observed["silent_nameservers"], slow.observed["answered_by"]) == ([SILENT_NS], ANSWERING_NS)
+    assert f"{SILENT_NS} (1.0 s) did not answer (resolv.conf options timeout:1), {ANSWERING_NS} answered" in (
+        slow.message
+    )
+    assert f"nameserver {SILENT_NS} does not answer" in slow.hint and "resolv.conf" in slow.hint
+    assert ANSWERING_NS not in slow.hint
+
+
+@pytest.mark.system
+def test_resolv_conf_attempts_bound_a_silent_nameserver_as_glibc_does(tmp_path: Path) -> None:
+    require_root()
+    with servers() as started:
+        started.append(SilentUdpPort(SILENT_NS, 53))
+        (tmp_path / "etc").mkdir()
+        (tmp_path / "etc" / "resolv.conf").write_text(f"nameserver {SILENT_NS}\noptions timeout:1 attempts:2\n")
+        findings, _, elapsed = run_dns({"names": ["mirror.test"], "lifetime_seconds": 4.0}, root=tmp_path)
+    (failed,) = findings
+    assert (failed.status, failed.reason, failed.observed["error"]) == (Status.FAIL, "DnsFailed", "timeout")
+    assert 1.9 <= failed.observed["seconds"] < 2.6 and elapsed < 3.0  # two tries of 1 s, as glibc gives up
+    assert f"no answer from {SILENT_NS} (2.0 s)" in failed.message and "attempts" not in failed.hint
+
+
+def test_resolv_conf_options_and_glibcs_wait_per_nameserver() -> None:
+    assert parse_resolv_options("options timeout:1\noptions attempts:3 rotate\n") == ResolvOptions(1, 3)
+    assert parse_resolv_options("options timeout:99 attempts:9\n# options timeout:2\n") == ResolvOptions(30, 5)
+    assert parse_resolv_options("nameserver 10.0.0.1\n") == ResolvOptions(None, None)
+    glibc = TrySchedule.from_options(ResolvOptions(5, None), 2.0)
+    assert [glibc.wait(i, 3) for i in range(3)] == [5, 3, 6]  # res_send: (5 << i) / 3 after the first
+    assert glibc.attempts == 2
+    unset = TrySchedule.from_options(ResolvOptions(), 2.0)
+    assert unset.source == "network.dns.timeout_seconds 2" and unset.wait(1, 2) == 2.0
 
 
 # --- cluster names: the pod's resolver only ---------------------------------------------------------

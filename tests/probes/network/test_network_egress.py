@@ -198,6 +198,39 @@ def test_refused_proxy(lab: Lab) -> None:
     assert "proxy" in findings["dead-proxy"].message
 
 
+@pytest.mark.system
+def test_proxy_asking_for_credentials_is_told_as_authentication_not_a_whitelist(lab: Lab) -> None:
+    with servers() as started:
+        proxy = ConnectProxy({"mirror.test": lab.https.port}, auth_realm="corp-proxy")
+        started.append(proxy)
+        findings, _ = run_egress(lab, [{"name": "auth", "host": "mirror.test", "proxy": proxy.url}])
+    auth = findings["auth"]
+    assert (auth.status, auth.reason) == (Status.FAIL, "EgressProxyAuthRequired")
+    assert (auth.observed["phase"], auth.observed["proxy_status"]) == ("proxy", 407)
+    assert auth.observed["proxy_authenticate"] == 'Basic realm="corp-proxy"'
+    assert "407 Proxy Authentication Required" in auth.message and "CONNECT mirror.test:443" in auth.message
+    assert "proxy authentication required" in auth.hint and "credentials" in auth.hint
+    assert "whitelist" not in auth.hint and "allow-list" not in auth.hint
+
+
+@pytest.mark.system
+def test_proxy_that_takes_the_connect_and_never_answers_is_a_stalled_proxy_not_a_firewall(lab: Lab) -> None:
+    with servers() as started:
+        proxy = ConnectProxy({"mirror.test": lab.https.port}, stall_hosts=("slow.test",))
+        started.append(proxy)
+        started_at = time.monotonic()
+        findings, _ = run_egress(
+            lab, [{"name": "stall", "host": "slow.test", "proxy": proxy.url, "timeout_seconds": 1.0}], timeout=5.0
+        )
+        elapsed = time.monotonic() - started_at
+    stalled = findings["stall"]
+    assert (stalled.status, stalled.reason, stalled.observed["phase"]) == (Status.FAIL, "EgressProxyStalled", "proxy")
+    assert "accepted the connection but did not answer CONNECT slow.test:443" in stalled.message
+    assert "the proxy is stalled or filtering" in stalled.hint and "check the proxy" in stalled.hint
+    assert "firewall" not in stalled.hint
+    assert elapsed < 3.0  # the target's own timeout, not the probe's
+
+
 def test_proxy_must_be_http_url() -> None:
     with pytest.raises(ConfigError, match=r"network\.egress\[0\]\.proxy"):
         parse_config({"network": {"egress": [{"host": "x", "proxy": "socks5://127.0.0.1:1080"}]}})
