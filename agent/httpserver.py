@@ -15,6 +15,9 @@ connection, and one pipelined request per connection per loop turn, so one clien
 Errors of the loop itself (accept failing at the fd limit) are logged at a bounded rate.
 """
 
+# Size: one bounded HTTP/1.1 protocol (framing, limits, keep-alive, pipelining) kept in one module, so that
+# every per-connection bound is read in one place.
+
 from __future__ import annotations
 
 import asyncio
