@@ -12,10 +12,11 @@ from typing import Any, NoReturn
 
 from agent.config import Config, ConfigError, default_config_yaml, load_config
 from agent.logs import configure_logging
+from agent.ready import BadQuery, ReadyQuery, judge, matches_any, validate_selectors
 from agent.scheduler import Scheduler, build_state, instantiate
-from agent.state import Snapshot, matches_any
+from agent.snapshot import Snapshot, Verdict
 from probes import all_probes
-from probes.base import CATEGORIES, Probe, Status
+from probes.base import Probe, Status
 from probes.host.config import HostConfig
 from probes.runtime.host import Host
 
@@ -80,12 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_selectors(text: str, probe_classes: dict[str, type[Probe]]) -> tuple[str, ...]:
     checks = {check for cls in probe_classes.values() for check in cls.checks}
     selectors = tuple(part.strip() for part in text.split(","))
-    for selector in selectors:
-        if not selector:
-            raise UsageError("--only: empty name in the list")
-        known = selector in CATEGORIES or any(c == selector or c.startswith(selector + ".") for c in checks)
-        if not known:
-            raise UsageError(f"--only: unknown check or prefix {selector!r} (see `node-health probes`)")
+    try:
+        validate_selectors(selectors, checks)
+    except BadQuery as exc:
+        raise UsageError(f"--only: {exc} (see `node-health probes`)") from None
     return selectors
 
 
@@ -93,10 +92,15 @@ def run_check(config: Config, probe_classes: dict[str, type[Probe]], only: tuple
     probes = instantiate(probe_classes)
     if only is not None:
         probes = {n: p for n, p in probes.items() if any(matches_any(c, only) for c in p.checks)}
-    state = build_state(config, one_shot=True)
-    scheduler = Scheduler(probes, config, Host.from_config(config.section(HostConfig)), state)
+    state = build_state(config)
+    scheduler = Scheduler(probes, config, Host.from_config(config.section(HostConfig)), state, one_shot=True)
     scheduler.run_all_once()
-    return state.snapshot
+    return state.current()
+
+
+def verdict_of(snapshot: Snapshot, only: tuple[str, ...] | None) -> Verdict:
+    """The whole node's verdict, or that of the checks --only selects (as /ready?checks= judges them)."""
+    return judge(snapshot, ReadyQuery(checks=only)) if only else snapshot.verdict
 
 
 STATUS_MARK = {
@@ -109,7 +113,7 @@ STATUS_MARK = {
 
 
 def format_table(snapshot: Snapshot, only: tuple[str, ...] | None) -> str:
-    verdict = snapshot.evaluate(only) if only else snapshot.verdict
+    verdict = verdict_of(snapshot, only)
     rows = [("STATUS", "CHECK", "SUBJECT", "REASON", "MESSAGE")]
     for state in snapshot.checks:
         f = state.finding
@@ -136,7 +140,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args.config, probe_classes)
     only = parse_selectors(args.only, probe_classes) if args.only else None
     snapshot = run_check(config, probe_classes, only)
-    verdict = snapshot.evaluate(only) if only else snapshot.verdict
+    verdict = verdict_of(snapshot, only)
     if args.json:
         document: dict[str, Any] = snapshot.to_document()
         if only:

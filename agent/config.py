@@ -18,9 +18,10 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 
-from agent.configfile import ConfigFileError, excerpt, parse_yaml, read_bounded
+from agent.configfile import ERROR_MESSAGE_CHARS, ConfigFileError, excerpt, parse_yaml, read_bounded
 from probes import all_families
 from probes.base import PositiveSeconds, Section, family_settings
+from probes.text import clip
 
 SectionT = TypeVar("SectionT", bound=Section)
 
@@ -207,13 +208,11 @@ def _describe_errors(exc: ValidationError) -> str:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             lines.append(f"config key {key}: unknown key" + (f" under {parent}" if parent else ""))
         else:
-            lines.append(f"config key {key}: {_clip(str(error['msg']))} (got {excerpt(error.get('input'))})")
+            lines.append(
+                f"config key {key}: {clip(str(error['msg']), ERROR_MESSAGE_CHARS)} (got {excerpt(error.get('input'))})"
+            )
     more = f"; and {len(lines) - 10} more errors" if len(lines) > 10 else ""
     return "; ".join(lines[:10]) + more
-
-
-def _clip(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def parse_config(data: Any, known_probes: dict[str, Any] | None = None) -> Config:
@@ -227,7 +226,7 @@ def parse_config(data: Any, known_probes: dict[str, Any] | None = None) -> Confi
     except ValidationError as exc:
         raise ConfigError(_describe_errors(exc)) from None
     except (RecursionError, ValueError, OverflowError) as exc:  # a value no validator can even look at
-        raise ConfigError(f"config: unreadable value: {_clip(str(exc))}") from None
+        raise ConfigError(f"config: unreadable value: {clip(str(exc), ERROR_MESSAGE_CHARS)}") from None
     if known_probes is not None:
         unknown = sorted(set(config.probes) - set(known_probes))
         if unknown:

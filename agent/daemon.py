@@ -85,7 +85,7 @@ class Agent:
         self.reloads: dict[str, int] = {"ok": 0, "error": 0}
         self.last_reload_error = ""
         self.kube: Any = None
-        self.metrics = MetricsRenderer(lambda: self.state.snapshot, [self._agent_samples])
+        self.metrics = MetricsRenderer(self.state.current, [self._agent_samples])
         self.http = HttpServer(
             self.state,
             self.metrics.render,
@@ -154,7 +154,7 @@ class Agent:
 
             # No client given: KubeAgent loads it itself and backs off while that fails, so a missing
             # service account or kubeconfig never keeps HTTP and metrics from serving.
-            self.kube = KubeAgent(self.config, self.config.resolved_node_name, lambda: self.state.snapshot.current())
+            self.kube = KubeAgent(self.config, self.config.resolved_node_name, self.state.current)
             self.kube.start()
 
     def request_stop(self, *_: Any) -> None:

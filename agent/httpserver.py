@@ -15,6 +15,9 @@ connection, and one pipelined request per connection per loop turn, so one clien
 Errors of the loop itself (accept failing at the fd limit) are logged at a bounded rate.
 """
 
+# Size: one bounded HTTP/1.1 protocol (framing, limits, keep-alive, pipelining) kept in one module, so that
+# every per-connection bound is read in one place.
+
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, unquote
+
+from probes.text import ASCII_ELLIPSIS, clip
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +177,6 @@ def encode_response(response: Response, keep_alive: bool, head_only: bool) -> by
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     """Always valid JSON: json.dumps escapes quotes, backslashes and control bytes a client put in a path."""
     return Response(status, json.dumps({"error": message}).encode(), headers=headers or {})
-
-
-def clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
 
 
 def is_local_peer(peer: str, local: str) -> bool:
@@ -506,7 +507,8 @@ class HttpServerCore:
         handler = self.routes.get(request.path)
         if handler is None:
             return error_response(
-                404, f"no such endpoint {clip(request.path, 64)} (try /ready, /healthz, /metrics, /status)"
+                404,
+                f"no such endpoint {clip(request.path, 64, ASCII_ELLIPSIS)} (try /ready, /healthz, /metrics, /status)",
             )
         if request.method not in ("GET", "HEAD"):
             return error_response(405, "read-only: GET or HEAD", {"Allow": "GET, HEAD"})

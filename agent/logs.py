@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
+
+from agent.timestamps import rfc3339
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": rfc3339(record.created, milliseconds=True),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.state import AGENT_REASONS
+from agent.reasons import AGENT_REASONS
 from probes import all_families, all_probes
 from probes.base import COMMON_REASONS, Family, Probe, Reason, family_of
 

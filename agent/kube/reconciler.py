@@ -42,9 +42,10 @@ from agent.kube.client import (
 )
 from agent.kube.events import EventQueue
 from agent.kube.plan import Plan, SlotView, plan_desired
-from agent.kube.policy import Desired, desired_state, rfc3339
+from agent.kube.policy import Desired, desired_state
 from agent.kube.report import status_document, status_samples
-from agent.state import Snapshot
+from agent.snapshot import Snapshot
+from agent.timestamps import rfc3339
 
 log = logging.getLogger("agent.kube")
 

@@ -7,10 +7,10 @@ import re
 import pytest
 from support.system import REPO
 
-from agent import http, httpserver, metrics
+from agent import http, httpserver, metrics, ready
 from agent.http import ready_text
 from agent.httpserver import FD_RESERVE, Limits
-from agent.state import Verdict
+from agent.snapshot import Verdict
 from probes.base import Finding, Status
 
 PAGE = REPO / "docs" / "http.md"
@@ -35,7 +35,7 @@ def stated_number(text: str) -> float:
 def code_value(name: str) -> float:
     if name in Limits.__dataclass_fields__:
         return float(getattr(Limits(), name))
-    for module in (http, httpserver, metrics):
+    for module in (http, httpserver, metrics, ready):
         if hasattr(module, name):
             return float(getattr(module, name))
     raise AssertionError(f"docs/http.md names {name}, which the code does not have")

@@ -20,8 +20,8 @@ import pytest
 import yaml
 from support.system import REPO, require_tool
 
+from agent.reasons import AGENT_REASONS
 from agent.reference import generated_blocks, refresh
-from agent.state import AGENT_REASONS
 from probes import all_families, all_probes
 from probes.base import COMMON_REASONS, Status
 

@@ -14,7 +14,8 @@ import pytest
 from support.system import REPO
 
 from agent.config import parse_config
-from agent.state import HealthState, ProbeSpec
+from agent.ready import ReadyQuery, judge
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.pcie.aer import parse_aer_counters
 from probes.pcie.pcie import PcieProbe
@@ -436,10 +437,11 @@ def test_cli_check_json_on_a_sysfs_tree(tree: SysTree, tmp_path: Path) -> None:
 
 def ready(output: list[Finding | Sample], devices: set[int] | None) -> bool:
     """What /ready?devices= answers for this output, through the agent's own state and verdict."""
-    state = HealthState("node-a", fail_threshold=1, recovery_threshold=1)
+    state = HealthState("node-a", HealthSettings(fail_threshold=1, recovery_threshold=1))
     state.configure([ProbeSpec("pcie", PcieProbe.checks, 30.0, 5.0)])
     state.record("pcie", [item for item in output if isinstance(item, Finding)])
-    return state.snapshot.evaluate(devices=devices).ready
+    query = ReadyQuery(device_indices=None if devices is None else frozenset(devices))
+    return judge(state.current(), query).ready
 
 
 def test_errors_on_an_npu_or_the_port_above_it_carry_the_device(tree: SysTree) -> None:
