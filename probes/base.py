@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from probes.runtime.resolver import HostResolverSettings
+from probes.text import escape, escape_value
 
 if TYPE_CHECKING:
     from probes.runtime.host import Host
@@ -102,6 +103,9 @@ class Event:
     message: str
     warning: bool = True
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", escape(self.message))
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -123,6 +127,13 @@ class Finding:
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status):
             object.__setattr__(self, "status", Status(self.status))
+        # Where every message is made: a process name, a path, tool or kernel output in any of these reaches
+        # terminals, logs, /status and the Node only escaped (probes/text.py). The subject too, although it is
+        # a key and a metric label: escaping is idempotent, so the same subject is always the same key.
+        # `observed` keeps what was measured (/ready matches device ids in it); it leaves only by to_dict,
+        # which escapes it, and is not walked again by every replace().
+        for name in ("subject", "message", "hint"):
+            object.__setattr__(self, name, escape(getattr(self, name)))
 
     @property
     def category(self) -> str:
@@ -140,7 +151,7 @@ class Finding:
             "reason": self.reason,
             "message": self.message,
             "hint": self.hint,
-            "observed": dict(self.observed),
+            "observed": dict(escape_value(self.observed)),
             "category": self.category,
         }
         if self.device is not None:
@@ -157,6 +168,9 @@ class Sample:
     value: float
     labels: Mapping[str, str] = field(default_factory=dict)
     kind: Literal["gauge", "counter"] = "gauge"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", escape_value(self.labels))  # a path or device name from the host
 
 
 ProbeOutput = list[Finding | Sample]

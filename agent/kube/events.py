@@ -18,7 +18,7 @@ from typing import Any
 from agent.kube.client import Backoff, KubeApi, classify, retry_after, short_error
 from agent.kube.policy import MESSAGE_LIMIT, FindingEvent
 from agent.timestamps import rfc3339
-from probes.text import clip
+from probes.text import clip, escape
 
 log = logging.getLogger("agent.kube")
 
@@ -65,7 +65,8 @@ class EventQueue:
     def add(self, reason: str, message: str, warning: bool) -> None:
         if len(self._queue) == self._queue.maxlen:
             self.dropped += 1  # the oldest goes: the API has been away for a long while
-        self._queue.append(QueuedEvent(reason, clip(message, MESSAGE_LIMIT), warning, self._clock()))
+        # Every Event the agent makes passes here: escaped (probes/text.py) whatever built its message.
+        self._queue.append(QueuedEvent(reason, clip(escape(message), MESSAGE_LIMIT), warning, self._clock()))
 
     def add_findings(self, events: tuple[FindingEvent, ...]) -> None:
         """One Event per distinct finding event; one that leaves the snapshot and comes back is a new one."""

@@ -18,6 +18,7 @@ from typing import Any
 from probes.base import Check, Finding, ProbeContext, Reason, Status
 from probes.runtime.children import ChildResult
 from probes.runtime.paths import normalize_host_path
+from probes.text import escape
 
 HINT_FULL = "clean caches and old checkpoints (du -xsh PATH/* | sort -h), or grow the disk"
 HINT_INODES = "millions of small files: remove extracted datasets or caches with many files, or grow the inode table"
@@ -162,17 +163,5 @@ def path_is_under(path: str, top: str) -> bool:
     return top == "/" or path == top or path.startswith(top + "/")
 
 
-def safe_text(text: str) -> str:
-    """`text` with control characters (newlines, escapes, line separators, undecodable bytes) escaped, so a
-    file name chosen by anyone who can write a lock directory cannot forge log lines or messages."""
-    if text.isprintable():
-        return text
-    out = []
-    for char in text:
-        if char.isprintable():
-            out.append(char)
-        elif ord(char) < 0x100:
-            out.append(f"\\x{ord(char):02x}")
-        else:
-            out.append(f"\\u{ord(char):04x}")
-    return "".join(out)
+# A file name chosen by anyone who can write a lock directory cannot forge log lines or messages.
+safe_text = escape

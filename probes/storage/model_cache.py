@@ -211,7 +211,7 @@ class ModelCacheProbe(Probe):
             for spec in settings.model_caches:
                 finding = unmounted_share_finding(cache_subject(spec), spec, settings, table)
                 if finding is not None:
-                    unmounted[finding.subject] = finding
+                    unmounted[cache_subject(spec)] = finding  # by the raw subject: finding.subject is escaped
         to_inspect = [spec for spec in settings.model_caches if cache_subject(spec) not in unmounted]
         calls = [
             ChildCall(

@@ -211,7 +211,8 @@ def test_kernel_escapes_in_a_real_mount_point(tmp_path: Path) -> None:
         entry = mount_at(parse_mountinfo(raw), str(odd))
         assert entry is not None and (entry.fstype, entry.source) == ("tmpfs", "nh test")
         findings, _ = run_mounts(Host(), [{"path": str(odd), "fstype": "tmpfs", "source": "nh test"}])
-        assert findings[str(odd)].status == Status.OK, findings[str(odd)]
+        subject = str(odd).replace("\t", "\\x09").replace("\n", "\\x0a")  # findings show it escaped
+        assert findings[subject].status == Status.OK, findings[subject]
     finally:
         subprocess.run(["umount", "-l", str(odd)], check=False)
 
