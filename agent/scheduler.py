@@ -18,6 +18,7 @@ from agent.config import Config
 from agent.state import PARSE_ERROR, PROBE_ERROR, PROBE_TIMEOUT, HealthState, ProbeSpec
 from probes.base import Finding, Probe, ProbeContext, ProbeParseError, Sample, Status
 from probes.runtime.host import Host
+from probes.runtime.podresources.pods import KubeletAccess, PodDirectory
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,12 @@ def unknown_findings(probe: Probe, reason: str, message: str, hint: str) -> list
     return [Finding(check, "", Status.UNKNOWN, reason, message, hint) for check in probe.checks]
 
 
-def execute(probe: Probe, host: Host, config: Config, timeout: float) -> tuple[str, list[Finding], list[Sample]]:
-    """Run one probe once in the calling thread: (result, findings, samples). Never raises."""
-    ctx = ProbeContext(host, config, timeout)
+def execute(
+    probe: Probe, host: Host, config: Config, timeout: float, pods: PodDirectory | None = None
+) -> tuple[str, list[Finding], list[Sample]]:
+    """Run one probe once in the calling thread: (result, findings, samples). Never raises. `pods`: the node's
+    pods as the agent's Kubernetes side lists them, when it runs."""
+    ctx = ProbeContext(host, config, timeout, kubelet=KubeletAccess.from_config(config, pods))
     try:
         skip_reason = probe.applicable(ctx)
         if skip_reason:
@@ -100,8 +104,10 @@ class Scheduler:
         state: HealthState,
         on_run: Callable[[str, str, float], None] | None = None,
         rng: random.Random | None = None,
+        pods: PodDirectory | None = None,
     ) -> None:
         self._probes = probes
+        self.pods = pods  # set by the agent once its Kubernetes side runs
         self._host = host
         self._state = state
         self._on_run = on_run
@@ -233,7 +239,7 @@ class Scheduler:
 
     def _worker(self, name: str, slot: _Slot, run_id: int, config: Config) -> None:
         started = time.monotonic()
-        result, findings, samples = execute(slot.probe, self._host, config, slot.spec.timeout)
+        result, findings, samples = execute(slot.probe, self._host, config, slot.spec.timeout, self.pods)
         duration = time.monotonic() - started
         with self._lock:
             slot.thread = None

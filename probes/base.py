@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from probes.runtime.host import Host
+    from probes.runtime.podresources.pods import KubeletAccess
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ OBSERVED_HBM_FREE_MIB = "hbm_free_mib"
 # Other names a device finding's device is known by (GPU UUID, MIG device UUIDs), so /ready?devices= takes
 # what NVIDIA_VISIBLE_DEVICES holds under the device plugin's uuid strategy: a list of strings.
 OBSERVED_DEVICE_IDS = "device_ids"
+# The pods the device plugins' ledger (the kubelet's PodResources API) allocated a device to, on the npu.ledger
+# and gpu.ledger finding about that device: a list of {namespace, name, container, resource, device_id}.
+OBSERVED_ALLOCATED_TO = "allocated_to"
 # host.memory reports MemAvailable (subject "") and free hugepages (subject "hugepages") under these keys, so
 # /ready?min_host_mem_mib=N and min_hugepages=N are answered from cached results.
 OBSERVED_HOST_MEM_AVAILABLE_MIB = "available_mib"
@@ -348,7 +352,9 @@ def family_of(probe_class: type[Probe]) -> Family | None:
 class ProbeContext:
     """What a probe gets for one run: the host, the config in force, its deadline and the node's name."""
 
-    def __init__(self, host: Host, config: Any, timeout: float, node_name: str = "") -> None:
+    def __init__(
+        self, host: Host, config: Any, timeout: float, node_name: str = "", kubelet: KubeletAccess | None = None
+    ) -> None:
         self.host = host
         self.config = config
         self.timeout = timeout
@@ -357,6 +363,12 @@ class ProbeContext:
         # Other tenants' command lines can hold secrets: processes are named by PID, executable and pod
         # unless the operator opts in (config: redact_cmdlines: false).
         self.redact_cmdlines = bool(getattr(config, "redact_cmdlines", True))
+        # The kubelet's PodResources socket (the device plugins' ledger) and the node's pods, when known.
+        if kubelet is None:
+            from probes.runtime.podresources.pods import KubeletAccess
+
+            kubelet = KubeletAccess.from_config(config)
+        self.kubelet = kubelet
 
     def remaining(self, floor: float = 0.05) -> float:
         """Seconds left before the deadline (never below `floor`, so a last call still gets a chance)."""
