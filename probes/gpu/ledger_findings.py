@@ -33,6 +33,7 @@ class GpuLedger:
     granted: dict[int, list[Granted]] = field(default_factory=dict)  # GPU index → grants
     offered: set[int] | None = None  # None: no nvidia.com resource offered at all
     index: PodIndex | None = None
+    directory: PodDirectory | None = None
     unmatched: int = 0  # ids naming no GPU of this node
 
     def allocations(self, gpu: int) -> list[Allocation]:
@@ -48,7 +49,7 @@ def gpu_of(key: str, gpus: Sequence[GpuState]) -> int | None:
 
 
 def gpu_ledger(read: LedgerRead, gpus: Sequence[GpuState], directory: PodDirectory | None) -> GpuLedger:
-    view = GpuLedger(read, index=directory.current() if directory is not None else None)
+    view = GpuLedger(read, index=directory.current() if directory is not None else None, directory=directory)
     if not read.ok or read.ledger is None:
         return view
     offered = read.ledger.offered(NVIDIA_PREFIX)
@@ -71,7 +72,10 @@ def ledger_verdict(
     if view.read.ledger is None:
         return None
     tenants = [h for h in holders if not matches_command(h.info, mps_commands)]
-    return judge(view.granted.get(gpu.index, []), tenants, view.read.ledger, view.index)
+    verdict = judge(view.granted.get(gpu.index, []), tenants, view.read.ledger, view.index)
+    if verdict.unnamed and view.directory is not None:
+        view.directory.want_fresh()  # a holder pod neither its OCI bundle nor the pod list names yet
+    return verdict
 
 
 def ledger_findings(view: GpuLedger, gpus: Sequence[GpuState], own: Sequence[Finding], status: str) -> list[Finding]:

@@ -51,6 +51,7 @@ class NpuLedger:
     granted: dict[int, list[Granted]] = field(default_factory=dict)
     offered: set[int] | None = None  # None: no huawei.com resource offered at all (no plugin, or DRA)
     index: PodIndex | None = None
+    directory: PodDirectory | None = None
     compare: bool = False
     why_not_compared: str = ""
 
@@ -74,7 +75,7 @@ class FirstSeen:
 
 
 def npu_ledger(read: LedgerRead, directory: PodDirectory | None, seen: FirstSeen) -> NpuLedger:
-    view = NpuLedger(read)
+    view = NpuLedger(read, directory=directory)
     if not read.ok or read.ledger is None:
         return view
     ledger = read.ledger
@@ -135,7 +136,10 @@ def ledger_verdicts(
         if not matches_command(holder.info, ignore_commands):
             for number in chip_numbers_of(holder):
                 per_chip.setdefault(number, []).append(holder)
-    return {n: judge(view.granted.get(n, []), held, view.read.ledger, view.index) for n, held in per_chip.items()}
+    verdicts = {n: judge(view.granted.get(n, []), held, view.read.ledger, view.index) for n, held in per_chip.items()}
+    if view.directory is not None and any(v.unnamed for v in verdicts.values()):
+        view.directory.want_fresh()  # a holder pod neither its OCI bundle nor the pod list names yet
+    return verdicts
 
 
 def ledger_findings(

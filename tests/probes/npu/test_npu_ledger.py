@@ -143,6 +143,30 @@ def test_a_chip_allocated_to_one_pod_and_held_by_another_names_both(
 
 
 @pytest.mark.system
+def test_a_holder_pod_without_a_bundle_is_named_by_the_node_pod_list(
+    tmp_path: Path, fake: FakeSmi, kubelet: FakeKubelet
+) -> None:
+    """No OCI bundle names the pod (another runtime's layout): its cgroup's UID, through the node's pod list."""
+    (device,) = idle_devices(1)
+    dev = make_dev(tmp_path / "dev", {"davinci4": device})
+    with pod_cgroups(1) as (cgroup,), holding(dev / "davinci4") as child:
+        cgroup.add(child.pid)
+        kubelet.add_pod("ops", "debug-shell")
+        pods = StaticPods(PodMeta(cgroup.uid, "ops", "debug-shell"))
+        findings, _ = run_probe(ctx_for(tmp_path, dev, kubelet, pods))
+        # Known by UID only: not judged (it may be a pod the list has not caught up with), a fresh list asked.
+        unknown = StaticPods()
+        time.sleep(1.1)
+        unnamed = run_probe(ctx_for(tmp_path, dev, kubelet, unknown))[0]
+        child.kill()
+    held = mine(findings[("npu.holders", "npu4")], child.pid)
+    assert (held.status, held.reason) == (Status.FAIL, "NpuHeldOutsideAllocation")
+    assert "held by pod ops/debug-shell (PID" in held.message
+    assert unnamed[("npu.holders", "npu4")].status == Status.OK and unknown.asked >= 1
+    assert unnamed[("npu.holders", "npu4")].observed["holders_not_named"] == 1
+
+
+@pytest.mark.system
 def test_the_pod_the_chip_is_allocated_to_may_hold_it(tmp_path: Path, fake: FakeSmi, kubelet: FakeKubelet) -> None:
     (device,) = idle_devices(1)
     dev = make_dev(tmp_path / "dev", {"davinci2": device})
