@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from support.fake_kubelet import FakeKubelet
 from support.system import REPO
 
-from probes.runtime.podresources.client import READER, last_read, ledger_source, read_once
+from probes.runtime.podresources.client import READER, ReaderProcess, last_read, ledger_source, read_once
 from probes.runtime.podresources.ledger import (
     Allocation,
     LedgerError,
@@ -145,6 +146,33 @@ def test_last_read_is_what_the_agent_serves_pod_devices_from() -> None:
         devices = [a.device_id for a in pod_devices(read.ledger, "team-a", "train-0")]
         assert devices == ["Ascend910-1", "Ascend910-2"]
         assert read.observed()["ledger"] == "ok"
+
+
+def test_one_reader_child_serves_the_reads_and_a_broken_one_is_replaced() -> None:
+    """The child stays up between reads (a few ms each instead of an interpreter start); one that died is started
+    anew at the next read, and a read it cannot answer in time kills it."""
+    with FakeKubelet(rate=1000, burst=1000) as kubelet:
+        source = ledger_source(kubelet.socket)
+        for _ in range(3):
+            read = source.start(2.0).result()
+            assert read.ok
+            time.sleep(1.05)  # past the reuse window: a read of its own
+        assert (source.reads, source.reader_starts) == (3, 1)
+        child = source._reader._proc
+        assert child is not None
+        child.kill()
+        child.wait()
+        time.sleep(1.05)
+        assert source.start(2.0).result().ok and source.reader_starts == 2
+    hung = FakeKubelet(mode="hang").start()
+    try:
+        reader = ReaderProcess()
+        slow = read_once(hung.socket, 0.5, reader)
+        assert (slow.state, slow.code) == ("unknown", "TIMEOUT")
+        assert reader.starts == 1 and reader._proc is not None  # the child's own deadline answered: kept
+        reader.close()
+    finally:
+        hung.close()
 
 
 def test_a_socket_that_is_not_one_and_a_missing_one(tmp_path: Path) -> None:

@@ -104,6 +104,9 @@ class FakeKubelet:
         return self
 
     def close(self) -> None:
+        from probes.runtime.podresources.client import forget
+
+        forget(self.socket)  # the agent-side reader child of this socket (in this test process) goes too
         if self._server is not None:
             self._server.kill()
             self._server.wait(10)

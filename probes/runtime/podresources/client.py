@@ -1,4 +1,4 @@
-"""Reading the ledger from the agent: the reader child (`reader.py`) started in the background, its answer shared.
+"""Reading the ledger from the agent: the reader child (`reader.py`) asked in the background, its answer shared.
 
 `ledger_source(socket, timeout).start()` begins a read at once (a probe starts it before its /proc scan and
 tool calls, so the two overlap) and returns a handle; `handle.result(deadline)` waits for the answer, at most
@@ -7,6 +7,11 @@ time, and a read that finished less than `MIN_SECONDS_BETWEEN_READS` ago is reus
 and gpu probes running together make one read, and no probe makes more than one per run. A read is two calls
 (List, GetAllocatableResources), so the agent stays far below the kubelet's rate limit (100 QPS, burst 10).
 
+The child stays up between reads (`ReaderProcess`: one per socket, started at the first read, asked over a pipe):
+a read costs it a few milliseconds instead of an interpreter start and the client's imports (~0.1 s of CPU). A
+child that does not answer by the read's deadline, answers garbage or exits is killed and started anew at the
+next read; it exits by itself when the agent goes (its stdin closes) or after ten idle minutes.
+
 The outcome is a `LedgerRead`: ok (the ledger), skip (no socket: no kubelet here, or the directory is not
 mounted) or unknown (the kubelet did not answer in time, answered UNAVAILABLE or RESOURCE_EXHAUSTED, or sent
 something that is not a ledger). `last_read(socket)` is the latest outcome, for the agent to serve.
@@ -14,9 +19,13 @@ something that is not a ledger). `last_read(socket)` is the latest outcome, for 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import selectors
+import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -24,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from probes.runtime.host import run_command
 from probes.runtime.podresources.ledger import Ledger, LedgerError, parse_ledger
 
 READER = Path(__file__).resolve().parent / "reader.py"
@@ -75,25 +83,98 @@ def socket_state(path: str) -> LedgerRead | None:
     return None
 
 
-def read_once(path: str, timeout: float) -> LedgerRead:
-    """One read in a child, blocking up to timeout + the child's start-up allowance."""
+class ReaderProcess:
+    """The reader child serving requests (`reader.py --serve`); not thread-safe: its LedgerSource serializes."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def ask(self, path: str, timeout: float) -> tuple[str, str]:
+        """(answer line, "") or ("", why there is none); a child that failed is killed, the next ask starts one."""
+        allowance = timeout + STARTUP_ALLOWANCE_SECONDS
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(f"{path}\t{timeout:g}\n".encode())
+            proc.stdin.flush()
+        except OSError as exc:
+            self.close()
+            return "", f"the ledger reader is gone ({exc.strerror or exc})"
+        line, why = _read_line(proc.stdout.fileno(), time.monotonic() + allowance)
+        if why:
+            self.close()
+        return line, why
+
+    def _start(self) -> None:
+        self.close()
+        self.starts += 1
+        self._proc = subprocess.Popen(
+            [sys.executable, "-E", "-s", str(READER), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # killed with its whole group; never the agent's signals
+        )
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for stream in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)  # one stuck in D state is left; it holds no lock of ours
+
+
+def _read_line(fd: int, deadline: float) -> tuple[str, str]:
+    """One line from the child, at most MAX_ANSWER_BYTES, by the deadline."""
+    chunks: list[bytes] = []
+    size = 0
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                return "", "TIMEOUT"
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return "", "the ledger reader exited without an answer"
+            chunks.append(chunk)
+            size += len(chunk)
+            if chunk.endswith(b"\n"):
+                return b"".join(chunks).decode("utf-8", "replace"), ""
+            if size > MAX_ANSWER_BYTES:
+                return "", f"the ledger reader's answer passed {MAX_ANSWER_BYTES} bytes"
+
+
+def read_once(path: str, timeout: float, reader: ReaderProcess | None = None) -> LedgerRead:
+    """One read through the reader child (a child of its own when `reader` is None), blocking at most timeout +
+    the child's start-up allowance."""
     began, wall = time.monotonic(), time.time()
     absent = socket_state(path)
     if absent is not None:
         return absent
-    argv = [sys.executable, "-E", "-s", str(READER), path, f"{timeout:g}"]
-    result = run_command(argv, timeout + STARTUP_ALLOWANCE_SECONDS, max_output_bytes=MAX_ANSWER_BYTES)
+    own = reader is None
+    child = reader or ReaderProcess()
+    try:
+        text, why = child.ask(path, timeout)
+    finally:
+        if own:
+            child.close()
     duration = time.monotonic() - began
-
-    def unknown(code: str, why: str) -> LedgerRead:
-        return LedgerRead("unknown", path, code=code, why=why, read_at=wall, duration=duration)
-
-    if result.timed_out:
-        return unknown("TIMEOUT", f"the ledger reader got no answer within {timeout:g}s (kubelet hung?)")
-    if not result.ok:
-        detail = (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return unknown("READER", f"the ledger reader failed (exit {result.returncode}): {detail}")
-    return _parsed(result.stdout, path, wall, duration)
+    if why == "TIMEOUT":
+        why = f"the ledger reader got no answer within {timeout:g}s (kubelet hung?)"
+        return LedgerRead("unknown", path, code="TIMEOUT", why=why, read_at=wall, duration=duration)
+    if why:
+        return LedgerRead("unknown", path, code="READER", why=why, read_at=wall, duration=duration)
+    return _parsed(text, path, wall, duration)
 
 
 def _parsed(text: str, path: str, wall: float, duration: float) -> LedgerRead:
@@ -144,6 +225,7 @@ class LedgerSource:
         self._running: threading.Thread | None = None
         self._last: LedgerRead | None = None
         self._last_done = 0.0  # monotonic
+        self._reader = ReaderProcess()
         self.reads = 0  # reads started, for tests and benchmarks
 
     def start(self, timeout: float) -> PendingRead:
@@ -166,7 +248,7 @@ class LedgerSource:
 
     def _run(self, timeout: float) -> None:
         try:
-            outcome = read_once(self.socket, timeout)
+            outcome = read_once(self.socket, timeout, self._reader)
         except Exception as exc:  # noqa: BLE001 - a failed read must leave the ledger unknown, not the thread dead
             outcome = LedgerRead("unknown", self.socket, code="READER", why=f"{type(exc).__name__}: {exc}")
         with self._lock:
@@ -186,6 +268,17 @@ class LedgerSource:
         with self._lock:
             return self._last
 
+    @property
+    def reader_starts(self) -> int:
+        return self._reader.starts
+
+    def close(self) -> None:
+        """Stop the reader child once no read is in flight (a read in flight keeps it until it is done)."""
+        with self._lock:
+            while self._running is not None:
+                self._finished.wait(10.0)
+            self._reader.close()
+
 
 _SOURCES: dict[str, LedgerSource] = {}
 _SOURCES_LOCK = threading.Lock()
@@ -197,6 +290,14 @@ def ledger_source(socket: str) -> LedgerSource:
         if source is None:
             source = _SOURCES[socket] = LedgerSource(socket)
         return source
+
+
+def forget(socket: str) -> None:
+    """Drop a socket's reads and stop its reader child (a socket that is gone for good: tests, a config change)."""
+    with _SOURCES_LOCK:
+        source = _SOURCES.pop(socket, None)
+    if source is not None:
+        source.close()
 
 
 def last_read(socket: str) -> LedgerRead | None:

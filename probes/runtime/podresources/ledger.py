@@ -77,7 +77,7 @@ class Ledger:
     def offered(self, prefix: str) -> dict[str, frozenset[str]]:
         return {resource: ids for resource, ids in self.allocatable.items() if resource.startswith(prefix)}
 
-    def to_dict(self, prefix: str = "", limit: int = 256) -> dict[str, Any]:
+    def to_dict(self, prefix: str = "", limit: int = 64) -> dict[str, Any]:
         """What findings carry of it (bounded): the allocations and offered ids of one vendor's resources."""
         allocations = self.of_resources(prefix)
         offered = self.offered(prefix)

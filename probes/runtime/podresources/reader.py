@@ -1,9 +1,10 @@
-"""The ledger reader: a short-lived child program that asks the kubelet's PodResources API once and prints JSON.
+"""The ledger reader: a child program that asks the kubelet's PodResources API and prints JSON.
 
-    python -E -s probes/runtime/podresources/reader.py SOCKET TIMEOUT_SECONDS
+    python -E -s probes/runtime/podresources/reader.py SOCKET TIMEOUT_SECONDS     # one read, then exit
+    python -E -s probes/runtime/podresources/reader.py --serve                    # reads on request
 
 One read is two calls on one connection, List then GetAllocatableResources, each with the deadline of what is
-left of TIMEOUT_SECONDS. It prints one JSON document on stdout and exits 0:
+left of TIMEOUT_SECONDS. It prints one JSON document (one line) on stdout:
 
     {"pods": [{"namespace", "name", "containers": [{"name", "devices": [{"resource", "ids"}],
                "claims": [{"driver", "pool", "device", "claim"}]}]}],
@@ -11,11 +12,16 @@ left of TIMEOUT_SECONDS. It prints one JSON document on stdout and exits 0:
 
 or `{"error": {"code": "UNAVAILABLE", "message": "..."}}` (a gRPC status name, or CONNECT / TIMEOUT).
 
-Why a child: the gRPC client (grpclib, asyncio and protobuf) costs a resident interpreter about 17 MiB that the
-agent does not keep; the child is gone after each read. The agent runs it with a hard deadline
-(`probes.runtime.host.run_command`), so a kubelet that never answers costs the child, not the agent. It runs as
-a script, not as a module of the `probes` package, whose import (pydantic) would double the child's cost: the
-generated modules beside it import each other by file name, from this directory.
+With `--serve` it reads one request per line on stdin (`SOCKET<TAB>TIMEOUT_SECONDS`) and answers each with one
+line, until stdin closes (the agent is gone) or no request came for IDLE_EXIT_SECONDS.
+
+Why a child: the gRPC client (grpclib, asyncio and protobuf) would cost the agent's own memory about 17 MiB; in a
+child it costs the agent nothing, and the agent bounds every read by a deadline of its own, killing a child that
+overruns it, so a kubelet that never answers costs the child, not the agent. The agent keeps one child serving
+between reads (`client.py`): starting the interpreter and importing the client again for every read costs
+~0.1 s of CPU and, on a loaded node, up to a second. It runs as a script, not as a module of the `probes`
+package, whose import (pydantic) would double the child's cost: the generated modules beside it import each other
+by file name, from this directory.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import select
 import sys
 import time
 from pathlib import Path
@@ -78,9 +85,31 @@ def answer(socket_path: str, timeout: float) -> dict[str, Any]:
         return {"error": {"code": "CONNECT", "message": f"{type(exc).__name__}: {exc}"[:300]}}
 
 
+IDLE_EXIT_SECONDS = 600.0
+
+
+def serve() -> int:
+    """Answer requests from stdin until it closes or stays quiet for IDLE_EXIT_SECONDS."""
+    stdin = sys.stdin.buffer
+    while select.select([stdin], [], [], IDLE_EXIT_SECONDS)[0]:
+        line = stdin.readline()
+        if not line:
+            return 0
+        try:
+            socket_path, timeout = line.decode().rstrip("\n").split("\t")
+            reply = answer(socket_path, float(timeout))
+        except ValueError:
+            reply = {"error": {"code": "REQUEST", "message": "not SOCKET<TAB>TIMEOUT"}}
+        sys.stdout.write(json.dumps(reply, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        return serve()
     if len(argv) != 2:
-        print("usage: reader.py SOCKET TIMEOUT_SECONDS", file=sys.stderr)
+        print("usage: reader.py SOCKET TIMEOUT_SECONDS | --serve", file=sys.stderr)
         return 2
     json.dump(answer(argv[0], float(argv[1])), sys.stdout, separators=(",", ":"))
     return 0

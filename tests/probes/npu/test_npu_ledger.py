@@ -18,6 +18,7 @@ import pytest
 from support.fake_kubelet import FakeKubelet
 from support.fake_npu_smi import FakeSmi, context, make_dev, run_probe, table
 from support.pod_cgroups import PodCgroup, containerd_bundle, holding, idle_devices, pod_cgroups
+from support.system import require
 
 from probes.base import OBSERVED_ALLOCATED_TO, Finding, ProbeContext, Status
 from probes.npu.npu import NpuProbe
@@ -73,7 +74,7 @@ def named_pod(tmp_path: Path, cgroup: PodCgroup, namespace: str, name: str, cont
 def mine(finding: Finding, *pids: int) -> Finding:
     """The finding, after checking no other process of this machine holds the test's device."""
     others = [h for h in finding.observed.get("holders", []) if h["pid"] not in pids]
-    assert not others, f"another process holds the test's device: {others}"
+    require(not others, f"no other process of this machine holding the test's device (held by {others})")
     return finding
 
 
