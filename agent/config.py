@@ -99,6 +99,10 @@ class KubernetesConfig(Section):
     backoff_initial_seconds: PositiveSeconds = 1.0
     backoff_max_seconds: PositiveSeconds = 300.0
     request_timeout_seconds: PositiveSeconds = 10.0
+    # The kubelet's PodResources API (the device plugins' ledger), read by npu and gpu; empty: not read.
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    # Deadline of one ledger read (List and GetAllocatableResources on the unix socket).
+    pod_resources_timeout_seconds: PositiveSeconds = 1.0
     conflict_retries: int = Field(5, ge=0, le=50)
     poll_seconds: PositiveSeconds = 1.0
 

@@ -156,6 +156,7 @@ class Agent:
             # service account or kubeconfig never keeps HTTP and metrics from serving.
             self.kube = KubeAgent(self.config, self.config.resolved_node_name, self.state.current)
             self.kube.start()
+            self.scheduler.pods = self.kube.pods  # the node's pods, for the checks against the device ledger
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()

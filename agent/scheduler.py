@@ -20,6 +20,7 @@ from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import PARSE_ERROR, Check, Finding, Probe, ProbeContext, ProbeParseError, Reason, Sample, Status
 from probes.network.config import NetworkConfig
 from probes.runtime.host import Host
+from probes.runtime.podresources.pods import KubeletAccess, PodDirectory
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def unknown_findings(probe: Probe, reason: Reason, message: str) -> list[Finding
     return [Check(check).report(reason, "", message) for check in probe.checks]
 
 
-def probe_context(host: Host, config: Config, timeout: float) -> ProbeContext:
+def probe_context(host: Host, config: Config, timeout: float, pods: PodDirectory | None = None) -> ProbeContext:
     """One run's context: what a probe needs of the agent's settings, as the context's typed fields."""
     return ProbeContext(
         host,
@@ -96,12 +97,18 @@ def probe_context(host: Host, config: Config, timeout: float) -> ProbeContext:
         node_name=config.resolved_node_name,
         redact_cmdlines=config.redact_cmdlines,
         host_resolver=config.section(NetworkConfig).dns.host_resolver(),
+        kubelet=KubeletAccess(
+            config.kubernetes.pod_resources_socket, config.kubernetes.pod_resources_timeout_seconds, pods
+        ),
     )
 
 
-def execute(probe: Probe, host: Host, config: Config, timeout: float) -> tuple[str, list[Finding], list[Sample]]:
-    """Run one probe once in the calling thread: (result, findings, samples). Never raises."""
-    ctx = probe_context(host, config, timeout)
+def execute(
+    probe: Probe, host: Host, config: Config, timeout: float, pods: PodDirectory | None = None
+) -> tuple[str, list[Finding], list[Sample]]:
+    """Run one probe once in the calling thread: (result, findings, samples). Never raises. `pods`: the node's
+    pods as the agent's Kubernetes side lists them, when it runs."""
+    ctx = probe_context(host, config, timeout, pods)
     try:
         skip_reason = probe.applicable(ctx)
         if skip_reason:
@@ -128,10 +135,12 @@ class Scheduler:
         on_run: Callable[[str, str, float], None] | None = None,
         rng: random.Random | None = None,
         one_shot: bool = False,
+        pods: PodDirectory | None = None,
     ) -> None:
         """`one_shot`: for run_all_once (`node-health check`), judged by health_settings(config, one_shot=True)."""
         self._probes = probes
         self._one_shot = one_shot
+        self.pods = pods  # set by the agent once its Kubernetes side runs
         self._host = host
         self._state = state
         self._on_run = on_run
@@ -256,7 +265,7 @@ class Scheduler:
 
     def _worker(self, name: str, slot: _Slot, run_id: int, config: Config) -> None:
         started = time.monotonic()
-        result, findings, samples = execute(slot.probe, self._host, config, slot.spec.timeout)
+        result, findings, samples = execute(slot.probe, self._host, config, slot.spec.timeout, self.pods)
         duration = time.monotonic() - started
         with self._lock:
             slot.thread = None

@@ -27,6 +27,7 @@ from probes.text import escape, escape_value
 
 if TYPE_CHECKING:
     from probes.runtime.host import Host
+    from probes.runtime.podresources.pods import KubeletAccess
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ OBSERVED_HBM_FREE_MIB = "hbm_free_mib"
 # Other names a device finding's device is known by (GPU UUID, MIG device UUIDs), so /ready?devices= takes
 # what NVIDIA_VISIBLE_DEVICES holds under the device plugin's uuid strategy: a list of strings.
 OBSERVED_DEVICE_IDS = "device_ids"
+# The pods the device plugins' ledger (the kubelet's PodResources API) allocated a device to, on the npu.ledger
+# and gpu.ledger finding about that device: a list of {namespace, name, container, resource, device_id}.
+OBSERVED_ALLOCATED_TO = "allocated_to"
 # host.memory reports MemAvailable (subject "") and free hugepages (subject "hugepages") under these keys, so
 # /ready?min_host_mem_mib=N and min_hugepages=N are answered from cached results.
 OBSERVED_HOST_MEM_AVAILABLE_MIB = "available_mib"
@@ -370,7 +374,8 @@ class ProbeContext:
     - `redact_cmdlines`: other tenants' command lines can hold secrets, so processes are named by PID,
       executable and pod unless the operator opts in (config: redact_cmdlines: false);
     - `host_resolver`: how the node's own resolver is set up (network.dns.nameservers, else the host's
-      resolv.conf), for every family that resolves a name the way the node does.
+      resolv.conf), for every family that resolves a name the way the node does;
+    - `kubelet`: the kubelet's PodResources socket (the device plugins' ledger) and the node's pods, when known.
 
     A family's own section is `ctx.settings(FamilyConfig)`.
     """
@@ -384,6 +389,7 @@ class ProbeContext:
         node_name: str = "",
         redact_cmdlines: bool = True,
         host_resolver: HostResolverSettings | None = None,
+        kubelet: KubeletAccess | None = None,
     ) -> None:
         self.host = host
         self.config = config
@@ -392,6 +398,11 @@ class ProbeContext:
         self.node_name = node_name
         self.redact_cmdlines = redact_cmdlines
         self.host_resolver = host_resolver if host_resolver is not None else HostResolverSettings()
+        if kubelet is None:
+            from probes.runtime.podresources.pods import KubeletAccess
+
+            kubelet = KubeletAccess()
+        self.kubelet = kubelet
 
     def remaining(self, floor: float = 0.05) -> float:
         """Seconds left before the deadline (never below `floor`, so a last call still gets a chance)."""

@@ -42,6 +42,7 @@ from agent.kube.client import (
 )
 from agent.kube.events import EventQueue
 from agent.kube.plan import Plan, SlotView, plan_desired
+from agent.kube.pods import NodePods
 from agent.kube.policy import Desired, desired_state
 from agent.kube.report import status_document, status_samples
 from agent.snapshot import Snapshot
@@ -100,6 +101,8 @@ class KubeAgent:
         self.writes: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.recent_writes: deque[dict[str, Any]] = deque(maxlen=20)
+        # The node's pods for the npu and gpu checks against the device plugin's ledger (its own thread).
+        self.pods = NodePods(self._api, node_name)
         self.would_write: list[dict[str, Any]] = []
         self._last_would_logged: list[str] = []
         self.last_error = ""
@@ -118,9 +121,11 @@ class KubeAgent:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kube-reconciler", daemon=True)
         self._thread.start()
+        self.pods.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self.pods.stop(min(timeout, 2.0))
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -350,7 +355,9 @@ class KubeAgent:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            return status_document(self, self._config.kubernetes, self._budget_view())
+            document = status_document(self, self._config.kubernetes, self._budget_view())
+        document["node_pods"] = self.pods.status()
+        return document
 
     def samples(self) -> list[Any]:
         with self._lock:

@@ -47,5 +47,8 @@ class GpuConfig(Section):
     # MPS servers (fnmatch on the executable's base name) hold a GPU for their clients: one holder together.
     mps_server_commands: list[str] = ["nvidia-cuda-mps-server"]
 
+    # Status of a GPU the device plugin no longer offers (DevicePluginUnhealthy): the plugin keeps jobs off it.
+    device_plugin_unhealthy_status: Literal["warn", "fail"] = "warn"
+
     def sharing_allowed(self, index: int) -> bool:
         return self.shared_ok is True or (isinstance(self.shared_ok, list) and index in self.shared_ok)
