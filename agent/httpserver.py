@@ -143,6 +143,8 @@ class _Connection(asyncio.BufferedProtocol):
             # HTTP clients do not half-close; end of input while a long-poll waits means the client left.
             self._close()
             return None
+        if self._out and not self.closing:
+            return True  # the rest of an answer is still to go; _answered() closes after it
         if len(self._buffer) > self._pos and not self.closing:
             self._schedule_turn()
             return True  # answer what was pipelined before the end, then close

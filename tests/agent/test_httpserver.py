@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -39,11 +40,18 @@ async def forever(request: Request) -> Response:
     return Response(200, b"{}")
 
 
+BIG = bytes(range(256)) * 1024  # 256 KiB: handed to the transport in pieces
+
+
+def big(request: Request) -> Response:
+    return Response(200, BIG, content_type="application/octet-stream")
+
+
 @pytest.fixture
 def port() -> Iterator[int]:
     SERVED["echo"] = 0
     CANCELLED.clear()
-    routes = {"/echo": echo, "/slow": slow, "/boom": lambda r: 1 / 0, "/count": count, "/forever": forever}
+    routes = {"/echo": echo, "/slow": slow, "/boom": lambda r: 1 / 0, "/count": count, "/forever": forever, "/big": big}
     core = HttpServerCore(routes)  # type: ignore[arg-type]
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -248,6 +256,24 @@ def test_a_pipelining_client_takes_turns_with_the_others(port: int) -> None:
         received += hog.recv(1 << 20)
     sender.join(10)
     hog.close()
+
+
+def test_large_answers_arrive_whole_pipelined_and_after_a_half_close(port: int) -> None:
+    out = exchange(port, b"GET /big HTTP/1.1\r\n\r\nGET /big HTTP/1.1\r\n\r\nGET /echo?end HTTP/1.1\r\n\r\n")
+    first, second = out.split(b"HTTP/1.1 200 OK")[1:3]
+    assert first.endswith(BIG) and second.split(b"\r\n\r\n", 1)[1] == BIG
+    assert out.endswith(b'"q": "end"}')
+    with socket.socket() as sock:  # a slow reader that half-closes at once: its FIN comes mid-answer
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"GET /big HTTP/1.1\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        time.sleep(0.5)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    assert received.endswith(BIG), len(received)
 
 
 def test_a_half_closed_client_still_gets_its_pipelined_answers(port: int) -> None:
