@@ -117,8 +117,10 @@ class _Connection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         """Where the transport reads to: the server's one scratch buffer, cut to what this connection may still
         hold (reading is paused before that is nothing)."""
-        room = self._limits.max_buffered - (len(self._buffer) - self._pos)
-        return self._server.scratch[: max(1, room)]
+        scratch = self._server.scratch
+        if not self._buffer:
+            return scratch  # nothing held (between requests): all of it
+        return scratch[: max(1, self._limits.max_buffered - (len(self._buffer) - self._pos))]
 
     def buffer_updated(self, nbytes: int) -> None:
         data = bytes(self._server.scratch[:nbytes])

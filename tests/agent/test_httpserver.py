@@ -177,6 +177,7 @@ AMBIGUOUS = [
     (b"GET /echo HTTP/1.1\r\n Host: x\r\n\r\n", b"400"),
     (b"GET /echo HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", b"400"),
     (b"G(T /echo HTTP/1.1\r\n\r\n", b"400"),
+    (b"GET /ec\tho HTTP/1.1\r\n\r\n", b"400"),
     (b"GET  /echo HTTP/1.1\r\n\r\n", b"400"),
     (b"GET /echo http/1.1\r\n\r\n", b"400"),
     (b"GET ftp://agent/echo HTTP/1.1\r\n\r\n", b"400"),
