@@ -66,6 +66,9 @@ class ProbeSchedule(Section):
 
 # --- kubernetes ------------------------------------------------------------------------------------
 
+# Label and taint prefixes Kubernetes reserves for its own components (node.kubernetes.io/not-ready, ...).
+RESERVED_KEY_PREFIXES = ("kubernetes.io", "k8s.io")
+
 
 class KubernetesConfig(Section):
     enabled: bool = True
@@ -111,6 +114,11 @@ class KubernetesConfig(Section):
     def _dns_prefix(cls, value: str) -> str:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
             raise ValueError("must be a DNS subdomain (lowercase letters, digits, '-', '.'), e.g. node-health")
+        reserved = next((r for r in RESERVED_KEY_PREFIXES if value == r or value.endswith("." + r)), None)
+        if reserved is not None:
+            # kubelet, the scheduler and the node lifecycle controller own those keys; cleanup removes every
+            # key under the prefix, so a reserved one would remove theirs.
+            raise ValueError(f"{reserved} and its subdomains are reserved for Kubernetes' own labels and taints")
         return value
 
     @field_validator("default_effect", "effects")

@@ -42,13 +42,15 @@ class EventQueue:
         self,
         node: str,
         clock: Callable[[], float],
+        monotonic: Callable[[], float],
         rng: random.Random,
         on_write: Callable[[str], None],
         backoff_initial: float,
         backoff_max: float,
     ) -> None:
         self.node = node
-        self._clock = clock
+        self._clock = clock  # the wall clock: an Event's timestamps
+        self._monotonic = monotonic  # its backoff, which no clock step may stretch
         self._rng = rng
         self._on_write = on_write
         self._queue: deque[QueuedEvent] = deque(maxlen=QUEUE_LIMIT)
@@ -86,7 +88,7 @@ class EventQueue:
 
     def flush(self, api: KubeApi, namespace: str) -> None:
         """Send what is queued, unless this queue is backing off. Never raises."""
-        now = self._clock()
+        now = self._monotonic()
         if now < self.retry_at:
             return
         while self._queue:

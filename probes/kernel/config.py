@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+import regex
 from pydantic import Field, field_validator
 
 from probes.base import CATEGORIES, PositiveSeconds, Section
@@ -60,8 +61,8 @@ class KernelLogRule(Section):
     def _compiles(cls, value: str | None) -> str | None:
         if value is not None:
             try:
-                re.compile(value)
-            except re.error as exc:
+                regex.compile(value)  # the engine's: the regex module (Python's re syntax, and more)
+            except regex.error as exc:
                 raise ValueError(f"not a valid regular expression: {exc}") from None
         return value
 
@@ -81,4 +82,7 @@ class KernelLogConfig(Section):
     extra_rules: list[KernelLogRule] = []
     # Bounds one run's work when the kernel floods the log.
     max_records_per_run: int = Field(20000, ge=1)
+    # Rules see at most this much of a message, and messages show at most this much.
     max_line_chars: int = Field(240, ge=40)
+    # One match of one rule on one line: beyond it the match is given up (counted, taken as no match).
+    match_timeout_seconds: PositiveSeconds = 0.05

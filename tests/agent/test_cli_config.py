@@ -45,6 +45,11 @@ def write(tmp_path: Path, text: str, name: str = "config.yaml") -> str:
         ("health: {fail_threshold: 0}\n", "health.fail_threshold"),
         ("- just\n- a list\n", "mapping"),
         ("http: {port: [unclosed\n", "YAML"),
+        # Kubernetes' own prefixes: cleanup removes every key under the prefix, kubelet's too.
+        ("kubernetes: {key_prefix: kubernetes.io}\n", "kubernetes.key_prefix"),
+        ("kubernetes: {key_prefix: node.kubernetes.io}\n", "kubernetes.key_prefix"),
+        ("kubernetes: {key_prefix: k8s.io}\n", "kubernetes.key_prefix"),
+        ("kubernetes: {key_prefix: health.x-k8s.k8s.io}\n", "kubernetes.key_prefix"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(
@@ -56,6 +61,11 @@ def test_bad_config_exits_2_naming_the_key(
     stderr = capsys.readouterr().err
     assert key in stderr
     assert "Traceback" not in stderr
+
+
+def test_a_prefix_that_only_looks_like_a_reserved_one_is_accepted() -> None:
+    for prefix in ("mykubernetes.io", "k8s.io.example.com", "health.example.com"):
+        assert parse_config({"kubernetes": {"key_prefix": prefix}}).kubernetes.key_prefix == prefix
 
 
 def test_allowed_values_are_named() -> None:

@@ -181,7 +181,7 @@ def test_sample_labels_are_escaped() -> None:
 
 
 def test_every_event_the_agent_queues_is_escaped() -> None:
-    queue = EventQueue("node-a", lambda: 0.0, random.Random(0), lambda _what: None, 1.0, 10.0)
+    queue = EventQueue("node-a", lambda: 0.0, lambda: 0.0, random.Random(0), lambda _what: None, 1.0, 10.0)
     queue.add("NodeHealthAgent", f"something about {HOSTILE}", True)
     (queued,) = queue.pending()
     assert queued.message == f"something about {escape(HOSTILE)}"

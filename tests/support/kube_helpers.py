@@ -135,15 +135,18 @@ def make_agent(
     clock: Clock,
     seed: int = 0,
     client: kubernetes.client.ApiClient | None = None,
+    monotonic: Clock | None = None,
     **kube: Any,
 ) -> KubeAgent:
-    """An agent on the double; agents of a simulated fleet share one `client` (one connection pool)."""
+    """An agent on the double; agents of a simulated fleet share one `client` (one connection pool). Its timers
+    run on `monotonic`, by default the same simulated clock as its wall clock."""
     return KubeAgent(
         kube_config(**kube),
         state.node,
         lambda: state.snapshot,
         client or double.client(),
         clock=clock,
+        monotonic=monotonic or clock,
         rng=random.Random(seed),
     )
 
