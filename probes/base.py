@@ -119,6 +119,9 @@ class Finding:
     # Overrides the category derived from the check name (e.g. a kernel.log rule about NFS → storage).
     category_override: str | None = None
     event: Event | None = None
+    # The probe judged this check required on this node: an unknown result blocks readiness whatever
+    # health.required_checks says (time.sync when NTP servers are configured and none of them answered).
+    required: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status):
@@ -145,6 +148,8 @@ class Finding:
         }
         if self.device is not None:
             out["device"] = self.device
+        if self.required:
+            out["required"] = True
         return out
 
 
@@ -222,6 +227,7 @@ class Check:
         device: int | None = None,
         category: str | None = None,
         event: Event | None = None,
+        required: bool = False,
     ) -> Finding:
         return Finding(
             self.name,
@@ -234,6 +240,7 @@ class Check:
             device,
             category or self.category,
             event,
+            required,
         )
 
     def ok(
