@@ -135,6 +135,7 @@ def test_killed_baton_holder_leaves_a_stale_lock_live_holders_never_reported(tmp
         assert [item["path"] for item in baton.observed["stale_local"]] == [str(dead.path)]
         assert baton.observed["held"] == 1 and baton.observed["young"] == 1
         assert str(live.path) not in baton.message and str(dead.path) in baton.message
+        assert f"(rm {dead.path})" in baton.hint and "PATH" not in baton.hint  # the real path to remove
 
         hub_finding = findings[flock_glob]
         assert (hub_finding.status, hub_finding.reason) == (Status.FAIL, "StaleFileBaton"), hub_finding
