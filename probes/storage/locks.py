@@ -21,6 +21,7 @@ from probes.storage.common import (
     ChildCall,
     child_error_finding,
     item_timeout,
+    path_failure_finding,
     reserve_seconds,
     run_child_calls,
 )
@@ -154,7 +155,7 @@ class LocksProbe(Probe):
         stale = stale_locks(ctx, groups)
         leftovers = leftover_findings(ctx, settings, groups, evidence, stale, pollers, hung)
         out: ProbeOutput = []
-        out += self._host_findings(walked, evidence, unreadable)
+        out += self._host_findings(ctx, walked, evidence, unreadable)
         if census is not None:
             out += self._container_findings(ctx, walked, evidence, census)
         return out + leftovers + self._samples(settings, groups)
@@ -292,13 +293,15 @@ class LocksProbe(Probe):
 
     # --- findings ----------------------------------------------------------------------------------
 
-    def _host_findings(self, walked: list[Walked], evidence: Evidence, unreadable: int) -> ProbeOutput:
+    def _host_findings(
+        self, ctx: ProbeContext, walked: list[Walked], evidence: Evidence, unreadable: int
+    ) -> ProbeOutput:
         out: ProbeOutput = []
         for item in walked:
             if item.namespace is not None:
                 continue
             if not item.result.ok:
-                out.append(child_error_finding(LOCKS, item.subject, item.result))
+                out.append(path_failure_finding(ctx, LOCKS, item.subject, item.roots[0], item.result))
                 continue
             out += [host_group_finding(group, evidence, unreadable) for group in item.groups]
         return out

@@ -25,6 +25,7 @@ from probes.base import Check, Finding, ProbeContext, Status
 from probes.runtime.children import ChildResult
 from probes.runtime.host import Host
 from probes.storage.common import child_error_finding
+from probes.storage.locks import LocksProbe
 from probes.storage.model_cache import ModelCacheProbe
 from probes.storage.mounts import MountsProbe
 from probes.storage.space import SpaceProbe
@@ -90,6 +91,8 @@ def test_a_sigkilled_fuse_daemon_is_mount_dead_in_every_storage_check(tmp_path: 
             "space": [{"path": str(mount.path)}],
             "write_probes": [{"path": str(mount.path), "uid": 0, "gid": 0}],
             "model_caches": [{"cache_dir": str(cache), "repo_id": MODEL}],
+            "lock_globs": [f"{cache}/.locks/*/*.lock"],
+            "container_lock_globs": [],
         }
         config = {"storage": storage, "kubernetes": {"enabled": False}}
         healthy = findings_of(MountsProbe(), config)[str(mount.path)]
@@ -105,6 +108,7 @@ def test_a_sigkilled_fuse_daemon_is_mount_dead_in_every_storage_check(tmp_path: 
         # The cache on the dead share: the mount's reason, never "download it into the dead mount".
         (cached,) = findings_of(ModelCacheProbe(), config).values()
         assert_mount_dead(cached, mount.path)
+        assert_mount_dead(findings_of(LocksProbe(), config)[f"{cache}/.locks/*/*.lock"], mount.path)
 
         report = check_ready(only_mounts, tmp_path, "storage.mounts")
         assert report["ready"] is False
