@@ -228,10 +228,8 @@ def leftover_findings(
     waiters: dict[str, list[dict[str, Any]]] = {}
     unavailable = ""
     if (stale or unclaimed or held) and limit:
-        # With stale locks any sleeping Python process may wait on one; otherwise only the pollers can.
-        candidates = None if stale else pollers
         watched = [*stale, *unclaimed, *held]
-        waiters, unavailable = find_waiters(ctx, command, limit, watched, reserve_seconds(ctx), candidates)
+        waiters, unavailable = find_waiters(ctx, command, limit, watched, reserve_seconds(ctx), pollers or [])
     out: ProbeOutput = []
     if stale and limit:
         out += baton_waiter_findings(stale, waiters, unavailable, command)

@@ -274,8 +274,9 @@ class LocksProbe(Probe):
     def _pollers(
         self, ctx: ProbeContext, settings: StorageConfig, groups: list[Group], records: list[LockRecord]
     ) -> list[int] | None:
-        """Python processes seen polling, looked for only while old unlocked lock files exist (an empty
-        SoftFileLock looks like one) or a flock is held: None when there is nothing a poller could wait on."""
+        """Python processes seen polling, the candidates of the waiter check: looked for only while a process
+        could wait on something here (an old existence-style lock, an old unlocked lock file, which an empty
+        SoftFileLock looks like, or a held flock); None when nothing could be waited on."""
         if not settings.lock_waiter_max_processes:
             return None
         now, age = time.time(), settings.stale_lock_age_seconds
@@ -284,7 +285,9 @@ class LocksProbe(Probe):
             group
             for group in groups
             for lock in group.files
-            if is_unclaimed_candidate(lock, locked, now, age) or lock.proc_locks_key in locked
+            if is_candidate(lock, now, age)
+            or is_unclaimed_candidate(lock, locked, now, age)
+            or lock.proc_locks_key in locked
         ]
         if not watched:
             return None

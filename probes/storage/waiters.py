@@ -1,4 +1,5 @@
-"""Processes waiting on a stale lock: sleeping Python processes, dumped with py-spy and classified.
+"""Processes waiting on a lock: Python processes seen polling (a thread in time.sleep that keeps waking up),
+dumped with py-spy and classified.
 
 Waiters are named by PID, executable name and pod/container; their command lines (other tenants' secrets
 can be in them) only when the operator turned `redact_cmdlines` off.
@@ -41,18 +42,19 @@ LOCK_WAITER_CHECK_UNAVAILABLE = Reason(
 
 # Process names of Python jobs as /proc/PID/comm shows them (torch renames its main thread pt_main_thread).
 _PYTHON_COMMS = ("python", "pt_main_thread", "torchrun", "accelerate", "deepspeed")
-# Kernel wait channels of a process sleeping in time.sleep() between checks of the lock.
-_SLEEP_WCHANS = ("hrtimer_nanosleep", "do_nanosleep", "clock_nanosleep", "0", "")
 _DUMP_SECONDS = 3.0
 # States (field 3 of /proc/PID/stat) of a process that polls a lock: sleeping between checks, or checking.
 _POLLING_STATES = ("S", "R")
 # Polling detection: at most this many candidates sampled (a node may run hundreds of data-loader workers), and
 # this many threads of each (two reads of a status file per thread).
 _MAX_SAMPLED = 1024
-_MAX_THREADS = 16
+_MAX_THREADS = 32
 # How long the wake-ups of candidates are watched when only pollers are wanted (filelock polls every 50 ms,
 # FileBaton every 100 ms).
-POLLING_WINDOW = 0.3
+POLLING_WINDOW = 0.5
+# A poller wakes up this often within the window at least (filelock 10 times, FileBaton 5); a thread that merely
+# fell asleep as the first sample was taken may count once.
+POLLING_MIN_WAKEUPS = 2
 # py-spy errors that mean it may not read processes at all (no CAP_SYS_PTRACE), not that one process vanished.
 _DENIED = ("permission denied", "operation not permitted")
 
@@ -80,15 +82,14 @@ def read_text_or_empty(path: Any) -> str:
 
 
 def lock_waiter_candidates(
-    proc: Any, limit: int, prefer: Collection[str] = (), polling_window: float = 0.0
+    proc: Any, limit: int, prefer: Collection[str] = (), polling_window: float = POLLING_WINDOW
 ) -> list[int]:
-    """Sleeping Python processes that may be polling a lock file (FileBaton.wait and filelock's acquire sleep
-    between checks), those in the mount namespaces `prefer` (containers with stale locks) first.
-
-    With `polling_window`, only processes seen polling: some thread of theirs woke up (voluntary context
-    switches) within that many seconds, the busiest first. That is cheap and leaves out the idle Python
-    daemons a node runs, so py-spy (which pauses a process) is spent on likely waiters only; their main thread
-    may then wait on worker threads (a download's thread pool), so its wait channel is not required.
+    """Python processes seen polling, as lock waiters do (FileBaton.wait and filelock's acquire sleep between
+    tries): a thread of theirs sleeping in nanosleep woke up (voluntary context switches) within
+    `polling_window` seconds; those in the mount namespaces `prefer` (containers with stale locks) and the
+    newest sampled first, the most wake-ups first. Cheap, and it leaves out idle daemons and busy training
+    processes alike, so py-spy (which pauses a process) is spent on likely waiters only. Zombies, stopped
+    processes and those in uninterruptible I/O poll nothing.
     """
     found: list[tuple[bool, int]] = []
     me = os.getpid()
@@ -99,11 +100,7 @@ def lock_waiter_candidates(
         if not comm.startswith(_PYTHON_COMMS):
             continue
         if state_of(read_text_or_empty(os.path.join(proc, str(pid), "stat"))) not in _POLLING_STATES:
-            continue  # a zombie, a stopped process, or one in uninterruptible I/O polls nothing
-        if not polling_window:
-            wchan = read_text_or_empty(os.path.join(proc, str(pid), "wchan")).strip()
-            if wchan not in _SLEEP_WCHANS:
-                continue
+            continue
         namespace = None
         if prefer:
             try:
@@ -111,38 +108,49 @@ def lock_waiter_candidates(
             except OSError:
                 namespace = None
         found.append((namespace not in prefer, pid))
-    if not polling_window:
-        return [pid for _, pid in sorted(found)[:limit]]
-    # Those in preferred namespaces first, then the newest: a waiter is usually a recent job's process.
-    newest = sorted(found, key=lambda item: (item[0], -item[1]))
-    return polling(proc, [pid for _, pid in newest[:_MAX_SAMPLED]], polling_window)[:limit]
+    newest = sorted(found, key=lambda item: (item[0], -item[1]))[:_MAX_SAMPLED]
+    woke = polling(proc, [pid for _, pid in newest], polling_window)
+    preferred = {pid for not_preferred, pid in newest if not not_preferred}
+    return sorted(woke, key=lambda pid: pid not in preferred)[:limit]
 
 
-def wakeups(proc: Any, pid: int) -> int | None:
-    """Voluntary context switches of all of a process's threads (at most _MAX_THREADS); None when it is gone."""
+def thread_samples(proc: Any, pid: int) -> dict[str, tuple[bool, int]] | None:
+    """Per thread (at most _MAX_THREADS): whether it sleeps in nanosleep (time.sleep, where a lock poller waits
+    between tries) and its voluntary context switches; None when the process is gone."""
     task_dir = os.path.join(proc, str(pid), "task")
     try:
-        tids = sorted(os.listdir(task_dir))[:_MAX_THREADS]
+        tids = sorted(os.listdir(task_dir), key=lambda tid: int(tid) if tid.isdigit() else 0)[:_MAX_THREADS]
     except OSError:
         return None
-    total = 0
+    samples: dict[str, tuple[bool, int]] = {}
     for tid in tids:
+        sleeping = "nanosleep" in read_text_or_empty(os.path.join(task_dir, tid, "wchan"))
         for line in read_text_or_empty(os.path.join(task_dir, tid, "status")).splitlines():
             fields = line.split()
             if line.startswith("voluntary_ctxt_switches:") and len(fields) == 2 and fields[1].isdigit():
-                total += int(fields[1])
-    return total
+                samples[tid] = (sleeping, int(fields[1]))
+    return samples
 
 
 def polling(proc: Any, pids: Sequence[int], window: float) -> list[int]:
-    """The processes among `pids` that woke up within `window` seconds, most wake-ups first."""
-    before = {pid: wakeups(proc, pid) for pid in pids}
+    """The processes among `pids` with a thread seen sleeping in nanosleep (at either of two samples `window`
+    seconds apart) that woke up at least POLLING_MIN_WAKEUPS times in between, most wake-ups first: a loop
+    around time.sleep, as lock pollers are. Busy threads, threads blocked on I/O, locks or a condition, and long
+    sleepers do not count. Two samples, so that a poller caught running (or waiting for a CPU) still counts."""
+    before = {pid: thread_samples(proc, pid) for pid in pids}
     time.sleep(window)
     rates: list[tuple[int, int]] = []
     for pid, first in before.items():
-        second = wakeups(proc, pid)
-        if first is not None and second is not None and second > first:
-            rates.append((first - second, pid))
+        after = thread_samples(proc, pid) if first else None
+        if not first or not after:
+            continue
+        woke = 0
+        for tid, (slept, count) in first.items():
+            now_sleeping, now_count = after.get(tid, (False, count))
+            if (slept or now_sleeping) and now_count - count >= POLLING_MIN_WAKEUPS:
+                woke += now_count - count
+        if woke:
+            rates.append((-woke, pid))
     return [pid for _, pid in sorted(rates)]
 
 
@@ -218,19 +226,17 @@ def find_waiters(
     limit: int,
     watched: Sequence[StaleLock],
     reserve: float,
-    candidates: Sequence[int] | None = None,
+    candidates: Sequence[int],
 ) -> tuple[dict[str, list[dict[str, Any]]], str]:
     """Waiters by the subject of the lock they wait on, and why the check could not be done ("" when it could).
-    `candidates`: the processes to dump (pollers found already), else up to `limit` sleeping Python ones."""
+    `candidates`: the processes to dump, up to `limit` (lock_waiter_candidates)."""
     missing = py_spy_missing(command)
     if missing:
         return {}, missing
-    prefer = {lock.namespace for lock in watched if lock.namespace}
     waiters: dict[str, list[dict[str, Any]]] = {}
     denied: list[str] = []
     dumped = 0
-    pids = lock_waiter_candidates(ctx.host.proc, limit, prefer) if candidates is None else list(candidates)[:limit]
-    for pid in pids:
+    for pid in list(candidates)[:limit]:
         budget = min(_DUMP_SECONDS, ctx.remaining(0.0) - reserve)
         if budget < 0.5:
             break
