@@ -68,8 +68,9 @@ class StorageConfig(Section):
     # File names (fnmatch) of existence-style locks (torch FileBaton: the file's existence is the lock).
     # Other lock files are flock-style unless they hold a SoftFileLock record ("<pid>\n<hostname>").
     baton_lock_names: list[str] = ["lock"]
-    # While stale locks exist: py-spy up to this many sleeping Python processes to find those waiting on
-    # them (ProcessWaitingOnFileBaton); 0 turns it off. py-spy pauses each process for a moment.
+    # While stale locks, old unlocked lock files or held flocks exist: py-spy up to this many Python processes
+    # seen polling, to find those waiting (ProcessWaitingOnFileBaton, StaleFileLock, LockHeldByHungProcess);
+    # 0 turns it off. py-spy pauses each process for a moment.
     lock_waiter_max_processes: int = Field(8, ge=0)
     # The py-spy command, every element kept: ["nsenter", "-t", "1", "-m", "--", "py-spy"] runs the host's
     # ([]: plain py-spy).
