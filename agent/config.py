@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, ValidationInfo, create_model, field
 
 from agent.configfile import ERROR_MESSAGE_CHARS, ConfigFileError, excerpt, parse_yaml, read_bounded
 from probes import all_families
-from probes.base import PositiveSeconds, Section, family_settings
+from probes.family import PositiveSeconds, Section, family_settings
 from probes.text import clip
 
 SectionT = TypeVar("SectionT", bound=Section)

@@ -68,7 +68,7 @@ def blocks(finding: Finding, required: Collection[str]) -> bool:
     if finding.status == Status.FAIL:
         return True
     if finding.status == Status.UNKNOWN:
-        return finding.reason in NO_FRESH_RESULT or matches_any(finding.check, required)
+        return finding.reason in NO_FRESH_RESULT or finding.required or matches_any(finding.check, required)
     return False
 
 

@@ -46,8 +46,9 @@ HOST_MEM_BELOW_REQUEST = Reason(
     Status.FAIL,
     "/ready?min_host_mem_mib=N or min_hugepages=N: the host has less available memory or fewer free hugepages "
     "than the job asked for; unknown when host.memory has no current value to compare (never ready then)",
-    "stop leftovers of earlier jobs (ps aux --sort=-rss | head), or ask for less; when unknown, see the host "
-    "probe in /status (a host may reserve no hugepages at all)",
+    "stop leftovers of earlier jobs (processes: ps aux --sort=-rss | head; files left in tmpfs, which no process "
+    "shows: df -h -t tmpfs), or ask for less; when unknown, see the host probe in /status (a host may reserve no "
+    "hugepages at all)",
     also=(Status.UNKNOWN,),
 )
 

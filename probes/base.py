@@ -1,11 +1,12 @@
-"""The probe contract: statuses, findings, reasons, families, categories, the probe base class and registry.
+"""The probe contract: statuses, findings, reasons, categories, the probe base class and registry.
 
 A probe reads the host and returns findings (and optional metric samples). It knows nothing of HTTP,
 metrics exposition or Kubernetes; the agent schedules it, bounds it with a deadline and keeps its results.
 
 Everything a probe may say is declared: each probe lists the reason codes it can emit (`Probe.reasons`,
 each with its status, a one-line meaning and the fix), and each family (a package such as `probes/storage/`)
-declares its config section and its docs page (`Family`). The agent assembles these; nothing here imports it.
+declares its config section and its docs page (`Family`, in `probes.family`). The agent assembles these;
+nothing here imports it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from probes.family import SectionT, family_of, family_settings
 from probes.runtime.resolver import HostResolverSettings
 from probes.text import escape, escape_value
 
@@ -127,6 +127,9 @@ class Finding:
     # Overrides the category derived from the check name (e.g. a kernel.log rule about NFS → storage).
     category_override: str | None = None
     event: Event | None = None
+    # The probe judged this check required on this node: an unknown result blocks readiness whatever
+    # health.required_checks says (time.sync when NTP servers are configured and none of them answered).
+    required: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status):
@@ -160,6 +163,8 @@ class Finding:
         }
         if self.device is not None:
             out["device"] = self.device
+        if self.required:
+            out["required"] = True
         return out
 
 
@@ -240,6 +245,7 @@ class Check:
         device: int | None = None,
         category: str | None = None,
         event: Event | None = None,
+        required: bool = False,
     ) -> Finding:
         return Finding(
             self.name,
@@ -252,6 +258,7 @@ class Check:
             device,
             category or self.category,
             event,
+            required,
         )
 
     def ok(
@@ -295,71 +302,6 @@ def check_declared(probe: Probe, findings: Sequence[Finding], allowed: Mapping[s
         if key not in _warned_undeclared:
             _warned_undeclared.add(key)
             log.warning("%s", what)
-
-
-# --- configuration sections and families -----------------------------------------------------------
-
-
-class Section(BaseModel):
-    """Base of every config model: unknown keys are errors, values are frozen, defaults are validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-SectionT = TypeVar("SectionT", bound=Section)
-
-
-@dataclass(frozen=True)
-class Family:
-    """A probe family: a package (or a single module) of probes that shares one config section and one
-    docs page. Declared in the family's `__init__.py` as `FAMILY = register_family(Family(...))`."""
-
-    key: str  # the config section, e.g. "storage" → `storage:` in config.yaml
-    module: str  # the package or module that declares it (its probes live beneath it)
-    config: type[Section]
-    title: str
-    doc: str  # the family's docs page, relative to the repository root
-    order: int = 100  # position of its section in `config --defaults`
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    existing = FAMILIES.get(family.key)
-    if existing is not None and existing != family:
-        raise ValueError(f"config section {family.key!r} declared twice ({existing.module}, {family.module})")
-    FAMILIES[family.key] = family
-    _family_of_config.cache_clear()
-    return family
-
-
-@functools.cache
-def _family_of_config(model: type[Section]) -> Family:
-    for family in FAMILIES.values():
-        if family.config is model:
-            return family
-    raise LookupError(f"{model.__name__} is not the config model of a registered family")
-
-
-def family_settings(config: BaseModel, model: type[SectionT]) -> SectionT:
-    """The section of `config` that holds `model` (a family's config model), typed."""
-    value = getattr(config, _family_of_config(model).key)
-    if not isinstance(value, model):
-        raise TypeError(f"config section {_family_of_config(model).key} is {type(value).__name__}, not {model}")
-    return value
-
-
-def family_of(probe_class: type[Probe]) -> Family | None:
-    """The family a probe belongs to: the one declared by the nearest enclosing package or module."""
-    module = probe_class.__module__
-    best: Family | None = None
-    for family in FAMILIES.values():
-        if (module == family.module or module.startswith(family.module + ".")) and (
-            best is None or len(family.module) > len(best.module)
-        ):
-            best = family
-    return best
 
 
 # --- probes -----------------------------------------------------------------------------------------
@@ -492,8 +434,3 @@ def register(cls: type[Probe]) -> type[Probe]:
         raise ValueError(f"probe name {cls.name!r} registered twice ({existing.__name__}, {cls.__name__})")
     REGISTRY[cls.name] = cls
     return cls
-
-
-# Config field types shared by the families' models.
-PositiveSeconds = Annotated[float, Field(gt=0)]
-Percent = Annotated[float, Field(ge=0, le=100)]

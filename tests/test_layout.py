@@ -19,16 +19,8 @@ from support.system import REPO
 from agent.config import default_config_yaml
 from agent.reference import sync
 from probes import all_families, all_probes
-from probes.base import (
-    Check,
-    Probe,
-    ProbeContext,
-    ProbeOutput,
-    Reason,
-    Status,
-    UndeclaredReason,
-    family_of,
-)
+from probes.base import Check, Probe, ProbeContext, ProbeOutput, Reason, Status, UndeclaredReason
+from probes.family import family_of
 from probes.kernel.default_rules import DEFAULT_RULES
 
 PACKAGES = ("agent", "probes")
@@ -258,8 +250,10 @@ EXAMPLE = '''\
 
 from __future__ import annotations
 
-from probes.base import Check, Family, Probe, ProbeContext, ProbeOutput, Reason, Section, Status, register
-from probes.base import register_family
+from probes.base import Check, Probe, ProbeContext, ProbeOutput, Reason, Status, register
+
+from probes.family import Family, Section
+from probes.family import register_family
 
 
 class ExampleConfig(Section):

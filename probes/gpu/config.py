@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool
 
-from probes.base import PositiveSeconds, Section
+from probes.family import PositiveSeconds, Section
 
 
 class GpuConfig(Section):

@@ -8,7 +8,8 @@ from typing import Literal
 import regex
 from pydantic import Field, field_validator
 
-from probes.base import CATEGORIES, PositiveSeconds, Section
+from probes.base import CATEGORIES
+from probes.family import PositiveSeconds, Section
 
 # A rule's reason becomes a taint value and a Node condition reason: Kubernetes takes at most 63 characters
 # there (a longer one made every Node PATCH fail with 422), and CamelCase is what condition reasons use.

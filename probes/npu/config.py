@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from probes.base import PositiveSeconds, Section
+from probes.family import PositiveSeconds, Section
 
 
 class NpuConfig(Section):
