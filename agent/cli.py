@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from agent.config import Config, ConfigError, default_config_yaml, load_config
+from agent.config import Config, ConfigError, default_config_yaml, load_config, load_config_tolerant
 from agent.logs import configure_logging
 from agent.scheduler import Scheduler, build_state, instantiate
 from agent.state import Snapshot, matches_any
+from agent.version import __version__
 from probes import all_probes
 from probes.base import CATEGORIES, Probe, Status
 from probes.host.config import HostConfig
@@ -34,16 +34,9 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("node-health")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="node-health", description="Node health-check agent for accelerator nodes.")
-    parser.add_argument("--version", action="version", version=f"node-health {package_version()}")
+    parser.add_argument("--version", action="version", version=f"node-health {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = sub.add_parser("check", help="run every probe once and print the result")
@@ -190,7 +183,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     if args.node is not None and not args.node.strip():
         raise UsageError("cleanup: --node needs a node name")
-    config = load_config(args.config, all_probes())
+    config, _ = load_config_tolerant(args.config, all_probes())  # the uninstall must work after a rollback too
     from agent.kube.cleanup import main_cleanup  # the kubernetes client is heavy: only when used
 
     return main_cleanup(config, args.node, args.all_nodes, args.dry_run)
@@ -211,7 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cleanup":
             return cmd_cleanup(args)
         if args.command == "run":
-            config = load_config(args.config, all_probes())
+            # Keys this release does not know are set aside with a warning (agent/configcompat.py): a rollback
+            # under a ConfigMap written for a newer release must not crash-loop every agent.
+            config, _ = load_config_tolerant(args.config, all_probes())
             configure_logging(config.logging.format, config.logging.level)
             from agent.daemon import run_daemon  # HTTP, metrics and the rest load only for the daemon
 
