@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -15,7 +16,7 @@ from agent.scheduler import Scheduler, build_state, instantiate
 from agent.state import Snapshot, matches_any
 from agent.version import __version__
 from probes import all_probes
-from probes.base import CATEGORIES, Probe, Status
+from probes.base import CATEGORIES, Finding, Probe, Status
 from probes.host.config import HostConfig
 from probes.runtime.host import Host
 
@@ -99,28 +100,65 @@ STATUS_MARK = {
     Status.UNKNOWN: "UNKNOWN",
     Status.SKIP: "skip",
 }
+# Rows worst first: what blocks a job, what cannot be vouched for, what needs a look, then the rest.
+SEVERITY = {Status.FAIL: 0, Status.UNKNOWN: 1, Status.WARN: 2, Status.OK: 3, Status.SKIP: 4}
+TABLE_WIDTH = 120  # a terminal, a CI log, a ticket
+SUBJECT_COLUMN_MAX = 24  # a longer subject (a deep path) widens only its own row
+INDENT = "    "
+
+
+def _wrapped(text: str, first: str, rest: str) -> list[str]:
+    """`text` in lines of at most TABLE_WIDTH, broken between words (a word longer than a line is split)."""
+    return textwrap.wrap(text, TABLE_WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False) or [
+        first.rstrip()
+    ]
+
+
+def _table_row(finding: Finding, widths: tuple[int, int, int]) -> list[str]:
+    """The head line (status, check, subject, reason, and the message when it fits), the message on its own
+    lines when it does not, and the fix for anything but ok and skip."""
+    mark_width, check_width, subject_width = widths
+    subject = finding.subject or "-"
+    head = f"{STATUS_MARK[finding.status]:<{mark_width}}  {finding.check:<{check_width}}  "
+    head += f"{subject:<{subject_width}}  {finding.reason}"
+    lines: list[str]
+    if len(head) + 2 + len(finding.message) <= TABLE_WIDTH and "\n" not in finding.message:
+        lines = [f"{head}  {finding.message}".rstrip()]
+    else:
+        lines = _wrapped(head, "", INDENT + INDENT)
+        if finding.message:
+            lines += _wrapped(finding.message, INDENT, INDENT)
+    if finding.hint and finding.status not in (Status.OK, Status.SKIP):
+        lines += _wrapped(finding.hint, f"{INDENT}fix: ", INDENT + " " * len("fix: "))
+    return lines
+
+
+def _verdict_line(node: str, ready: bool, blocking: int, counts: dict[Status, int]) -> str:
+    tally = ", ".join(f"{counts[status]} {STATUS_MARK[status].lower()}" for status in SEVERITY if counts[status])
+    if ready:
+        verdict = f"READY ({tally or 'no checks'})"
+    else:
+        reasons = "1 reason blocks" if blocking == 1 else f"{blocking} reasons block"
+        verdict = f"NOT READY: {reasons} jobs ({tally})"
+    room = max(8, TABLE_WIDTH - len("node : ") - len(verdict))
+    return f"node {node if len(node) <= room else node[: room - 3] + '...'}: {verdict}"
 
 
 def format_table(snapshot: Snapshot, only: tuple[str, ...] | None) -> str:
     verdict = snapshot.evaluate(only) if only else snapshot.verdict
-    rows = [("STATUS", "CHECK", "SUBJECT", "REASON", "MESSAGE")]
-    for state in snapshot.checks:
-        f = state.finding
-        if only and not matches_any(f.check, only):
-            continue
-        rows.append((STATUS_MARK[f.status], f.check, f.subject or "-", f.reason, f.message))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4] for row in rows]
-    lines.append("")
-    if verdict.ready:
-        lines.append(f"node {snapshot.node}: READY")
-    else:
-        lines.append(f"node {snapshot.node}: NOT READY")
-        for reason in verdict.reasons:
-            where = f"{reason.check} {reason.subject}".strip()
-            lines.append(f"  - {where}: {reason.reason}: {reason.message}")
-            if reason.hint:
-                lines.append(f"    fix: {reason.hint}")
+    findings = [s.finding for s in snapshot.checks if not only or matches_any(s.finding.check, only)]
+    findings.sort(key=lambda f: SEVERITY[f.status])  # stable: the snapshot's order within a status
+    widths = (
+        max(len(mark) for mark in ("STATUS", *STATUS_MARK.values())),
+        max([len("CHECK"), *(len(f.check) for f in findings)]),
+        max([len("SUBJECT"), *(min(len(f.subject or "-"), SUBJECT_COLUMN_MAX) for f in findings)]),
+    )
+    header = f"{'STATUS':<{widths[0]}}  {'CHECK':<{widths[1]}}  {'SUBJECT':<{widths[2]}}  REASON  MESSAGE"
+    lines = [header]
+    for finding in findings:
+        lines.extend(_table_row(finding, widths))
+    counts = {status: sum(1 for f in findings if f.status == status) for status in SEVERITY}
+    lines += ["", _verdict_line(snapshot.node, verdict.ready, len(verdict.reasons), counts)]
     return "\n".join(lines)
 
 
