@@ -26,54 +26,17 @@ import kubernetes_validate
 import pytest
 import yaml
 from support.netservers import Netns, refused_port
+from support.preflight import SCRIPT, SHELLS, Outcome, preflight
 from support.system import REPO, require, require_root, require_tool
 
 from probes import all_probes
 
-SCRIPT = REPO / "deploy" / "examples" / "preflight.sh"
 EXAMPLE_JOB = REPO / "deploy" / "examples" / "preflight-initcontainer.yaml"
 HOST_PORT_COMPONENT = REPO / "deploy" / "components" / "host-port"
 VERSIONS = [kubernetes_validate.utils.latest_version(), "1.30"]
-# GitHub's runner runs a job hook as `bash -e`; /bin/sh is dash on Debian, busybox sh in Alpine-based images.
-SHELLS = ["sh", "dash", "busybox", "bash", "bash -e"]
 # The script gives up after about 10 s; this is a correctness bound (it must not hang), not a benchmark.
 GIVE_UP_BOUND_SECONDS = 15.0
 MISSING_PATH = "/nonexistent/node-health-preflight-data"
-
-
-# --- running the script ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def lines(self) -> list[str]:
-        return self.stdout.splitlines()
-
-
-def shell_argv(shell: str) -> list[str]:
-    require_tool("curl")
-    if shell == "busybox":
-        return [require_tool("busybox"), "sh", str(SCRIPT)]
-    name, *options = shell.split()
-    return [require_tool(name), *options, str(SCRIPT)]
-
-
-def preflight(env: dict[str, str], shell: str = "dash", netns: Netns | None = None) -> Outcome:
-    """Run the script with only `env` (and PATH): nothing of this machine's environment leaks in."""
-    argv = shell_argv(shell)
-    if netns is not None:
-        argv = ["ip", "netns", "exec", netns.name, *argv]
-    started = time.monotonic()
-    done = subprocess.run(
-        argv, env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=60, cwd="/"
-    )
-    return Outcome(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
 
 
 def attempts(outcome: Outcome) -> list[str]:

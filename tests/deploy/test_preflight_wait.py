@@ -20,8 +20,8 @@ from contextlib import contextmanager
 
 import pytest
 from support.netservers import refused_port
+from support.preflight import SHELLS, Outcome, preflight, shell_argv
 from support.system import require_tool
-from test_preflight import SHELLS, Outcome, preflight, shell_argv
 
 from agent.http import TEXT_REASONS_MAX, HttpServer
 from agent.httpserver import Limits
@@ -96,7 +96,7 @@ def test_warming_up_is_waited_out(shell: str, probes: int) -> None:
     )
     assert outcome.lines[1:] == [f"node-health pre-flight: {url}/ready answered 200", f"ready on {NODE}"]
     assert outcome.stderr == ""
-    assert 2.5 <= outcome.seconds < 10, outcome
+    assert 2.5 <= outcome.seconds < 18, outcome  # it did not wait the whole 20 s
 
 
 @pytest.mark.system
@@ -107,7 +107,7 @@ def test_a_real_problem_during_warm_up_is_not_waited_out(shell: str, probes: int
         record(state, probes - 1, Status.FAIL)  # the last check: beyond the text's list when there are many
         outcome = preflight({"NODE_HEALTH_URL": url, "NODE_HEALTH_WAIT_SECONDS": WAIT, "GITHUB_ACTIONS": "true"}, shell)
     assert outcome.code == 1, outcome
-    assert outcome.seconds < 5, outcome
+    assert outcome.seconds < 10, outcome  # not the 20 s of the wait
     assert outcome.lines[0] == f"node-health pre-flight: {url}/ready answered 503: this node is not ready for the job"
     assert outcome.lines[1] == f"not ready on {NODE}: {probes} reasons"
     assert outcome.lines[-1] == (
@@ -123,7 +123,7 @@ def test_a_warm_up_longer_than_the_wait_is_not_ready(shell: str) -> None:
         outcome = preflight({"NODE_HEALTH_URL": url, "NODE_HEALTH_WAIT_SECONDS": "2"}, shell)
         immediate = preflight({"NODE_HEALTH_URL": url, "NODE_HEALTH_WAIT_SECONDS": "0"}, shell)
     assert outcome.code == 1, outcome
-    assert 1 <= outcome.seconds < 6, outcome  # seconds as `date +%s` counts them: within one of 2
+    assert 1 <= outcome.seconds < 10, outcome  # seconds as `date +%s` counts them: within one of 2
     assert re.fullmatch(
         rf"node-health pre-flight: {url}/ready answered 503: this node is not ready for the job "
         r"\(still warming up after \d s\)",
@@ -173,7 +173,7 @@ def test_an_overloaded_agent_is_exit_4_and_never_failed_open(shell: str) -> None
             outcome = preflight(env, shell)
     assert outcome.code == 4, outcome
     # Asked again for NODE_HEALTH_WAIT_SECONDS, but at least as long as for an absent agent (about 10 s).
-    assert 8 <= outcome.seconds < 15, outcome  # whole seconds, as `date +%s` counts them
+    assert 8 <= outcome.seconds < 20, outcome  # whole seconds, as `date +%s` counts them
     first, second = outcome.stderr.splitlines()
     assert re.fullmatch(
         r"node-health pre-flight: agent overloaded: it refused every attempt for load within \d s, so this node's "
