@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from kubernetes.utils import parse_quantity
 from support.system import REPO, require_root, require_tool
 
 from agent.config import parse_config
+from agent.version import __version__
 from probes import all_probes
 from probes.host.config import HostConfig
 from probes.runtime.host import Host
@@ -256,3 +258,48 @@ def test_network_policy_opens_the_preflight_to_all_and_metrics_to_monitoring(tmp
     plain = kustomize(DEPLOY)
     assert by_kind(plain, "NetworkPolicy") == []
     assert [p["name"] for p in agent_container(by_kind(plain, "DaemonSet")[0])["ports"]] == ["http"]
+
+
+# --- the release the manifests name ----------------------------------------------------------------------------
+
+
+def test_the_manifests_name_this_release() -> None:
+    """agent/version.py sets the version; the manifests follow it (scripts/release.py adds the registry and the
+    digest when it releases, docs/release.md)."""
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    (entry,) = [image for image in kustomization["images"] if image["name"] == "node-health"]
+    assert entry["newTag"] == __version__
+    assert set(entry) <= {"name", "newName", "newTag", "digest"}
+    assert ("digest" in entry) == ("newName" in entry), "a release pins both the registry and the digest"
+    daemonset = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())
+    assert agent_container(daemonset)["image"] == f"node-health:{__version__}"
+    cleanup = (DEPLOY / "examples" / "cleanup-job.yaml").read_text()
+    expected = (
+        f"{entry['newName']}:{__version__}@{entry['digest']}" if "digest" in entry else f"node-health:{__version__}"
+    )
+    assert f"image: {expected}\n" in cleanup
+
+
+# --- canary ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_the_canary_overlay_runs_one_pool_in_dry_run(tmp_path: Path) -> None:
+    """deploy/examples/canary used as docs/deployment.md says: copied next to the checkout."""
+    (tmp_path / "node-health").symlink_to(REPO, target_is_directory=True)
+    shutil.copytree(DEPLOY / "examples" / "canary", tmp_path / "canary")
+    docs = kustomize(tmp_path / "canary")
+    (daemonset,) = by_kind(docs, "DaemonSet")
+    selector = daemonset["spec"]["template"]["spec"]["nodeSelector"]
+    assert selector == {"node-health-canary": "true"}
+    (configmap,) = [c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"].startswith("node-health-config")]
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
+    canary = yaml.safe_load(configmap["data"]["config.yaml"])
+    assert parse_config(canary, all_probes()).kubernetes.dry_run is True
+    shipped = shipped_config(kustomize(DEPLOY))
+    assert shipped["kubernetes"].pop("dry_run") is False and canary["kubernetes"].pop("dry_run") is True
+    assert canary == shipped, "the canary's config is the shipped one but for dry_run"
+    for doc in (daemonset, configmap):
+        for version in VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
