@@ -11,12 +11,14 @@ import threading
 import time
 from typing import Any
 
-from agent.config import Config, ConfigError, load_config
+from agent.config import Config, ConfigError, load_config_tolerant
+from agent.configcompat import ConfigNotes
 from agent.configfile import ConfigFileError, read_bounded
 from agent.http import HttpServer
 from agent.logs import configure_logging
 from agent.metrics import MetricsRenderer
 from agent.scheduler import Scheduler, build_state, instantiate
+from agent.version import __version__
 from probes import all_probes
 from probes.base import Probe, Sample
 from probes.host.config import HostConfig
@@ -103,6 +105,8 @@ class Agent:
         self.scheduler = Scheduler(self.probes, config, self.host, self.state)
         self.reloads: dict[str, int] = {"ok": 0, "error": 0}
         self.last_reload_error = ""
+        # Keys of the running config this release does not know, set aside (agent/configcompat.py).
+        self.config_notes = self._notes_of(config_path)
         self.kube: Any = None
         self.metrics = MetricsRenderer(self.state.current, [self._agent_samples])
         self.http = HttpServer(
@@ -135,12 +139,16 @@ class Agent:
 
     def status_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {
+            "version": __version__,
             "agent": {
                 "config_path": self.config_path,
                 "config_reloads": dict(self.reloads),
                 "last_reload_error": self.last_reload_error or None,
                 "children_in_flight": len(self.host.children.in_flight()),
-            }
+                "config_version": self.config_notes.config_version,
+                "config_unknown_keys": list(self.config_notes.unknown_keys),
+                "config_warnings": self.config_notes.warnings(),
+            },
         }
         if self.kube is not None:
             extra["kubernetes"] = self.kube.status()
@@ -151,6 +159,13 @@ class Agent:
             Sample("nodehealth_config_reloads_total", "Config reloads by result.", count, {"result": result}, "counter")
             for result, count in self.reloads.items()
         ]
+        samples.append(
+            Sample(
+                "nodehealth_config_unknown_keys",
+                "Keys of the running config this release does not know and ignores (a newer release's, or typos).",
+                len(self.config_notes.unknown_keys),
+            )
+        )
         samples.append(
             Sample(
                 "nodehealth_child_processes_in_flight",
@@ -164,7 +179,19 @@ class Agent:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
+    def _notes_of(self, config_path: str | None) -> ConfigNotes:
+        """What loading the config this agent starts with set aside (the caller loaded it tolerantly too)."""
+        try:
+            return load_config_tolerant(config_path, self.probe_classes)[1]
+        except ConfigError:
+            return ConfigNotes()
+
+    def _log_config_notes(self) -> None:
+        for warning in self.config_notes.warnings():
+            log.warning("%s", warning)
+
     def start(self) -> None:
+        self._log_config_notes()
         port = self.http.start()
         log.info("serving on %s:%d", self.config.http.address, port)
         self.scheduler.start()
@@ -205,7 +232,7 @@ class Agent:
 
     def reload(self, why: str) -> bool:
         try:
-            config = load_config(self.config_path, self.probe_classes)
+            config, notes = load_config_tolerant(self.config_path, self.probe_classes)
         except Exception as exc:  # whatever a bad ConfigMap does, the running config stays
             if not isinstance(exc, ConfigError):
                 log.exception("config reload (%s) failed unexpectedly", why)
@@ -220,7 +247,9 @@ class Agent:
                 config.section(HostConfig), children=self.host.children, devices=self.host.devices
             )
         self.config = config
+        self.config_notes = notes
         configure_logging(config.logging.format, config.logging.level)
+        self._log_config_notes()
         self.scheduler.reconfigure(config, self.host)
         if self.kube is not None:
             self.kube.reconfigure(config)
