@@ -203,8 +203,8 @@ CHANGED_DEFAULTS = {
     ("network", "dns", "cluster_names"): ["kubernetes.default.svc"],
     # The holder scan's deadline grows with the host's fds, within 40% of the run (docs/probes/npu.md).
     ("probes", "npu", "timeout_seconds"): 20.0,
-    # Every default kernel-log rule anchored to its driver's prefix, loop devices left out of the filesystem
-    # rules: a task's name or crash file name must not raise or clear a fault (docs/probes/kernel-log.md).
+    # Every default kernel log rule anchored to its driver's prefix, loop devices left out of the filesystem
+    # rules: a task's name or crash file name must not raise or clear a fault (docs/probes/kernel_log.md).
     **{
         ("kernel_log", "rules", f"[{index}]", key): rule[key]
         for index, rule in enumerate(DEFAULT_RULES)

@@ -11,7 +11,7 @@ FAMILY = register_family(
         module=__name__,
         config=KernelLogConfig,
         title="Kernel log",
-        doc="docs/probes/kernel-log.md",
+        doc="docs/probes/kernel_log.md",
         order=80,
     )
 )

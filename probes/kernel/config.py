@@ -1,4 +1,4 @@
-"""Config of the kernel-log family (`kernel_log:`)."""
+"""Config of the kernel log family (`kernel_log:`)."""
 
 from __future__ import annotations
 
