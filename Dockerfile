@@ -2,8 +2,11 @@
 # venv (py-spy included), and nsenter (util-linux) to run host binaries such as npu-smi in the host's mount
 # namespace. Builds with podman, buildah or docker; docs/image.md says how, tests/deploy/test_image.py builds and runs it.
 
+# The base of both stages: a build host that cannot pull it passes a local one (docs/image.md).
+ARG BASE=docker.io/library/debian:bookworm-slim
+
 # Build stage: pip and venv from Debian; every dependency is a binary wheel, so no compiler is needed.
-FROM docker.io/library/debian:bookworm-slim AS build
+FROM ${BASE} AS build
 # Unpinned on purpose: the base image pins the release; the same packages as the final stage's python3.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -19,22 +22,15 @@ RUN python3 -m venv /opt/node-health \
 COPY README.md ./
 COPY agent ./agent
 COPY probes ./probes
-# Then the slimming (docs/image.md): the kubernetes client's asyncio copy (kubernetes.aio, ~70 MB) and the
-# aiohttp stack only it uses are never imported (the agent uses the synchronous client); the generated API and
-# model modules (~55 MB) keep only their bytecode, in place of the source; pip and setuptools are not needed at
-# run time. The import check proves the agent, its Kubernetes client and every probe still load.
+# Then the slimming (docs/image.md, Slimming; scripts/slim_venv.py says what goes and why): the kubernetes
+# client's asyncio copy and the aiohttp stack only it uses, the source of its generated modules (bytecode stays),
+# pip and setuptools. It ends with an import check of the agent, its Kubernetes client and every probe.
+COPY scripts/slim_venv.py ./scripts/
 RUN /opt/node-health/bin/pip install --no-cache-dir --disable-pip-version-check --no-deps . \
-    && /opt/node-health/bin/pip uninstall --yes --disable-pip-version-check \
-        aiohttp aiohttp-retry aiosignal aiohappyeyeballs frozenlist multidict propcache yarl \
-    && kube="$(/opt/node-health/bin/python -c 'import kubernetes, os; print(os.path.dirname(kubernetes.__file__))')" \
-    && rm -rf "$kube/aio" \
-    && /opt/node-health/bin/python -m compileall -q -b "$kube/client/api" "$kube/client/models" \
-    && find "$kube/client/api" "$kube/client/models" \( -name '*.py' -o -name __pycache__ \) -prune -exec rm -rf {} + \
-    && /opt/node-health/bin/python -c "import agent.cli, agent.kube, kubernetes.client, kubernetes.watch, probes; probes.all_probes()" \
-    && /opt/node-health/bin/python -m pip uninstall --yes --disable-pip-version-check pip setuptools
+    && /opt/node-health/bin/python scripts/slim_venv.py
 
 # Final stage: python3, util-linux (nsenter) and the CA bundle (egress TLS checks), no compilers, no pip.
-FROM docker.io/library/debian:bookworm-slim
+FROM ${BASE}
 # util-linux is Essential in Debian (so nsenter is already there); naming it states the dependency.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -52,3 +48,16 @@ EXPOSE 9100
 # Runs as root: device nodes, /proc/<pid>/fd of every process and nsenter need it (see deploy/daemonset.yaml).
 ENTRYPOINT ["node-health"]
 CMD ["run", "--config", "/etc/node-health/config.yaml"]
+# OCI labels, last so that a new revision or date rebuilds no layer: scripts/release.py passes the release
+# (agent/version.py), the commit, the repository and the commit's time; a build by hand gets "unknown".
+ARG VERSION=unknown
+ARG REVISION=unknown
+ARG SOURCE=unknown
+ARG CREATED=unknown
+LABEL org.opencontainers.image.title="node-health" \
+      org.opencontainers.image.description="Node-side health-check agent for Kubernetes clusters of Ascend NPU and NVIDIA GPU nodes" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.created="${CREATED}"

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from agent.config import Config, ConfigError, default_config_yaml, load_config
+from agent.config import Config, ConfigError, default_config_yaml, load_config, load_config_tolerant
 from agent.logs import configure_logging
+from agent.ready import BadQuery, ReadyQuery, judge, matches_any, validate_selectors
 from agent.scheduler import Scheduler, build_state, instantiate
-from agent.state import Snapshot, matches_any
+from agent.snapshot import Snapshot, Verdict
+from agent.version import __version__
 from probes import all_probes
-from probes.base import CATEGORIES, Probe, Status
+from probes.base import Finding, Probe, Status
 from probes.host.config import HostConfig
 from probes.runtime.host import Host
 
@@ -34,16 +36,9 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("node-health")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="node-health", description="Node health-check agent for accelerator nodes.")
-    parser.add_argument("--version", action="version", version=f"node-health {package_version()}")
+    parser.add_argument("--version", action="version", version=f"node-health {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     check = sub.add_parser("check", help="run every probe once and print the result")
@@ -80,12 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_selectors(text: str, probe_classes: dict[str, type[Probe]]) -> tuple[str, ...]:
     checks = {check for cls in probe_classes.values() for check in cls.checks}
     selectors = tuple(part.strip() for part in text.split(","))
-    for selector in selectors:
-        if not selector:
-            raise UsageError("--only: empty name in the list")
-        known = selector in CATEGORIES or any(c == selector or c.startswith(selector + ".") for c in checks)
-        if not known:
-            raise UsageError(f"--only: unknown check or prefix {selector!r} (see `node-health probes`)")
+    try:
+        validate_selectors(selectors, checks)
+    except BadQuery as exc:
+        raise UsageError(f"--only: {exc} (see `node-health probes`)") from None
     return selectors
 
 
@@ -93,10 +86,15 @@ def run_check(config: Config, probe_classes: dict[str, type[Probe]], only: tuple
     probes = instantiate(probe_classes)
     if only is not None:
         probes = {n: p for n, p in probes.items() if any(matches_any(c, only) for c in p.checks)}
-    state = build_state(config, one_shot=True)
-    scheduler = Scheduler(probes, config, Host.from_config(config.section(HostConfig)), state)
+    state = build_state(config)
+    scheduler = Scheduler(probes, config, Host.from_config(config.section(HostConfig)), state, one_shot=True)
     scheduler.run_all_once()
-    return state.snapshot
+    return state.current()
+
+
+def verdict_of(snapshot: Snapshot, only: tuple[str, ...] | None) -> Verdict:
+    """The whole node's verdict, or that of the checks --only selects (as /ready?checks= judges them)."""
+    return judge(snapshot, ReadyQuery(checks=only)) if only else snapshot.verdict
 
 
 STATUS_MARK = {
@@ -106,28 +104,65 @@ STATUS_MARK = {
     Status.UNKNOWN: "UNKNOWN",
     Status.SKIP: "skip",
 }
+# Rows worst first: what blocks a job, what cannot be vouched for, what needs a look, then the rest.
+SEVERITY = {Status.FAIL: 0, Status.UNKNOWN: 1, Status.WARN: 2, Status.OK: 3, Status.SKIP: 4}
+TABLE_WIDTH = 120  # a terminal, a CI log, a ticket
+SUBJECT_COLUMN_MAX = 24  # a longer subject (a deep path) widens only its own row
+INDENT = "    "
+
+
+def _wrapped(text: str, first: str, rest: str) -> list[str]:
+    """`text` in lines of at most TABLE_WIDTH, broken between words (a word longer than a line is split)."""
+    return textwrap.wrap(text, TABLE_WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False) or [
+        first.rstrip()
+    ]
+
+
+def _table_row(finding: Finding, widths: tuple[int, int, int]) -> list[str]:
+    """The head line (status, check, subject, reason, and the message when it fits), the message on its own
+    lines when it does not, and the fix for anything but ok and skip."""
+    mark_width, check_width, subject_width = widths
+    subject = finding.subject or "-"
+    head = f"{STATUS_MARK[finding.status]:<{mark_width}}  {finding.check:<{check_width}}  "
+    head += f"{subject:<{subject_width}}  {finding.reason}"
+    lines: list[str]
+    if len(head) + 2 + len(finding.message) <= TABLE_WIDTH and "\n" not in finding.message:
+        lines = [f"{head}  {finding.message}".rstrip()]
+    else:
+        lines = _wrapped(head, "", INDENT + INDENT)
+        if finding.message:
+            lines += _wrapped(finding.message, INDENT, INDENT)
+    if finding.hint and finding.status not in (Status.OK, Status.SKIP):
+        lines += _wrapped(finding.hint, f"{INDENT}fix: ", INDENT + " " * len("fix: "))
+    return lines
+
+
+def _verdict_line(node: str, ready: bool, blocking: int, counts: dict[Status, int]) -> str:
+    tally = ", ".join(f"{counts[status]} {STATUS_MARK[status].lower()}" for status in SEVERITY if counts[status])
+    if ready:
+        verdict = f"READY ({tally or 'no checks'})"
+    else:
+        reasons = "1 reason blocks" if blocking == 1 else f"{blocking} reasons block"
+        verdict = f"NOT READY: {reasons} jobs ({tally})"
+    room = max(8, TABLE_WIDTH - len("node : ") - len(verdict))
+    return f"node {node if len(node) <= room else node[: room - 3] + '...'}: {verdict}"
 
 
 def format_table(snapshot: Snapshot, only: tuple[str, ...] | None) -> str:
-    verdict = snapshot.evaluate(only) if only else snapshot.verdict
-    rows = [("STATUS", "CHECK", "SUBJECT", "REASON", "MESSAGE")]
-    for state in snapshot.checks:
-        f = state.finding
-        if only and not matches_any(f.check, only):
-            continue
-        rows.append((STATUS_MARK[f.status], f.check, f.subject or "-", f.reason, f.message))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4] for row in rows]
-    lines.append("")
-    if verdict.ready:
-        lines.append(f"node {snapshot.node}: READY")
-    else:
-        lines.append(f"node {snapshot.node}: NOT READY")
-        for reason in verdict.reasons:
-            where = f"{reason.check} {reason.subject}".strip()
-            lines.append(f"  - {where}: {reason.reason}: {reason.message}")
-            if reason.hint:
-                lines.append(f"    fix: {reason.hint}")
+    verdict = verdict_of(snapshot, only)
+    findings = [s.finding for s in snapshot.checks if not only or matches_any(s.finding.check, only)]
+    findings.sort(key=lambda f: SEVERITY[f.status])  # stable: the snapshot's order within a status
+    widths = (
+        max(len(mark) for mark in ("STATUS", *STATUS_MARK.values())),
+        max([len("CHECK"), *(len(f.check) for f in findings)]),
+        max([len("SUBJECT"), *(min(len(f.subject or "-"), SUBJECT_COLUMN_MAX) for f in findings)]),
+    )
+    header = f"{'STATUS':<{widths[0]}}  {'CHECK':<{widths[1]}}  {'SUBJECT':<{widths[2]}}  REASON  MESSAGE"
+    lines = [header]
+    for finding in findings:
+        lines.extend(_table_row(finding, widths))
+    counts = {status: sum(1 for f in findings if f.status == status) for status in SEVERITY}
+    lines += ["", _verdict_line(snapshot.node, verdict.ready, len(verdict.reasons), counts)]
     return "\n".join(lines)
 
 
@@ -136,7 +171,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args.config, probe_classes)
     only = parse_selectors(args.only, probe_classes) if args.only else None
     snapshot = run_check(config, probe_classes, only)
-    verdict = snapshot.evaluate(only) if only else snapshot.verdict
+    verdict = verdict_of(snapshot, only)
     if args.json:
         document: dict[str, Any] = snapshot.to_document()
         if only:
@@ -190,7 +225,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     if args.node is not None and not args.node.strip():
         raise UsageError("cleanup: --node needs a node name")
-    config = load_config(args.config, all_probes())
+    config, _ = load_config_tolerant(args.config, all_probes())  # the uninstall must work after a rollback too
     from agent.kube.cleanup import main_cleanup  # the kubernetes client is heavy: only when used
 
     return main_cleanup(config, args.node, args.all_nodes, args.dry_run)
@@ -211,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cleanup":
             return cmd_cleanup(args)
         if args.command == "run":
-            config = load_config(args.config, all_probes())
+            # Keys this release does not know are set aside with a warning (agent/configcompat.py): a rollback
+            # under a ConfigMap written for a newer release must not crash-loop every agent.
+            config, _ = load_config_tolerant(args.config, all_probes())
             configure_logging(config.logging.format, config.logging.level)
             from agent.daemon import run_daemon  # HTTP, metrics and the rest load only for the daemon
 

@@ -18,9 +18,11 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 
-from agent.configfile import ConfigFileError, excerpt, parse_yaml, read_bounded
+from agent.configcompat import ConfigNotes, newer_release_note, take_config_version, without_keys
+from agent.configfile import ERROR_MESSAGE_CHARS, ConfigFileError, excerpt, parse_yaml, read_bounded
 from probes import all_families
-from probes.base import PositiveSeconds, Section, family_settings
+from probes.family import PositiveSeconds, Section, family_settings
+from probes.text import clip
 
 SectionT = TypeVar("SectionT", bound=Section)
 
@@ -65,6 +67,9 @@ class ProbeSchedule(Section):
 
 # --- kubernetes ------------------------------------------------------------------------------------
 
+# Label and taint prefixes Kubernetes reserves for its own components (node.kubernetes.io/not-ready, ...).
+RESERVED_KEY_PREFIXES = ("kubernetes.io", "k8s.io")
+
 
 class KubernetesConfig(Section):
     enabled: bool = True
@@ -98,6 +103,10 @@ class KubernetesConfig(Section):
     backoff_initial_seconds: PositiveSeconds = 1.0
     backoff_max_seconds: PositiveSeconds = 300.0
     request_timeout_seconds: PositiveSeconds = 10.0
+    # The kubelet's PodResources API (the device plugins' ledger), read by npu and gpu; empty: not read.
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    # Deadline of one ledger read (List and GetAllocatableResources on the unix socket).
+    pod_resources_timeout_seconds: PositiveSeconds = 1.0
     conflict_retries: int = Field(5, ge=0, le=50)
     poll_seconds: PositiveSeconds = 1.0
 
@@ -106,6 +115,11 @@ class KubernetesConfig(Section):
     def _dns_prefix(cls, value: str) -> str:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", value):
             raise ValueError("must be a DNS subdomain (lowercase letters, digits, '-', '.'), e.g. node-health")
+        reserved = next((r for r in RESERVED_KEY_PREFIXES if value == r or value.endswith("." + r)), None)
+        if reserved is not None:
+            # kubelet, the scheduler and the node lifecycle controller own those keys; cleanup removes every
+            # key under the prefix, so a reserved one would remove theirs.
+            raise ValueError(f"{reserved} and its subdomains are reserved for Kubernetes' own labels and taints")
         return value
 
     @field_validator("default_effect", "effects")
@@ -207,45 +221,95 @@ def _describe_errors(exc: ValidationError) -> str:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             lines.append(f"config key {key}: unknown key" + (f" under {parent}" if parent else ""))
         else:
-            lines.append(f"config key {key}: {_clip(str(error['msg']))} (got {excerpt(error.get('input'))})")
+            lines.append(
+                f"config key {key}: {clip(str(error['msg']), ERROR_MESSAGE_CHARS)} (got {excerpt(error.get('input'))})"
+            )
     more = f"; and {len(lines) - 10} more errors" if len(lines) > 10 else ""
     return "; ".join(lines[:10]) + more
 
 
-def _clip(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def parse_config(data: Any, known_probes: dict[str, Any] | None = None) -> Config:
-    """Validate a loaded YAML document. `known_probes` (name → probe class) checks `probes:` keys."""
+    """Validate a loaded YAML document. `known_probes` (name → probe class) checks `probes:` keys. Strict: an
+    unknown key is an error (check, config --validate)."""
+    return _parse(data, known_probes, tolerant=False)[0]
+
+
+def parse_config_tolerant(data: Any, known_probes: dict[str, Any] | None = None) -> tuple[Config, ConfigNotes]:
+    """As parse_config, but keys (and probes) this release does not know are set aside and returned in the notes
+    instead of failing: what the daemon runs with, so a rollback under a newer ConfigMap does not crash-loop."""
+    return _parse(data, known_probes, tolerant=True)
+
+
+# Unknown keys inside values that fail for another reason appear only once those are removed: a few passes.
+_TOLERANT_PASSES = 4
+
+
+def _parse(data: Any, known_probes: dict[str, Any] | None, tolerant: bool) -> tuple[Config, ConfigNotes]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config: the document must be a mapping, got {type(data).__name__}")
     try:
-        config = config_model().model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_describe_errors(exc)) from None
-    except (RecursionError, ValueError, OverflowError) as exc:  # a value no validator can even look at
-        raise ConfigError(f"config: unreadable value: {_clip(str(exc))}") from None
-    if known_probes is not None:
-        unknown = sorted(set(config.probes) - set(known_probes))
-        if unknown:
-            raise ConfigError(
-                f"config key probes.{unknown[0]}: unknown probe (allowed: {', '.join(sorted(known_probes))})"
-            )
-    return config
+        data, config_version = take_config_version(data)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    data, unknown = _without_unknown_probes(data, known_probes, tolerant, config_version)
+    for attempt in range(_TOLERANT_PASSES):
+        try:
+            config = config_model().model_validate(data)
+            break
+        except ValidationError as exc:
+            errors = exc.errors()
+            extra = [tuple(error["loc"]) for error in errors if error["type"] == "extra_forbidden"]
+            if not tolerant or not extra or len(extra) < len(errors) or attempt == _TOLERANT_PASSES - 1:
+                raise ConfigError(_describe_errors(exc) + newer_release_note(config_version)) from None
+            data, removed = without_keys(data, extra)
+            unknown.extend(removed)
+        except (RecursionError, ValueError, OverflowError) as exc:  # a value no validator can even look at
+            raise ConfigError(f"config: unreadable value: {clip(str(exc), ERROR_MESSAGE_CHARS)}") from None
+    return config, ConfigNotes(tuple(unknown), config_version)
+
+
+def _without_unknown_probes(
+    data: dict[str, Any], known_probes: dict[str, Any] | None, tolerant: bool, config_version: str | None
+) -> tuple[dict[str, Any], list[str]]:
+    schedules = data.get("probes")
+    if known_probes is None or not isinstance(schedules, dict):
+        return data, []
+    unknown = sorted(str(name) for name in schedules if name not in known_probes)
+    if not unknown:
+        return data, []
+    if not tolerant:
+        raise ConfigError(
+            f"config key probes.{unknown[0]}: unknown probe (allowed: {', '.join(sorted(known_probes))})"
+            + newer_release_note(config_version)
+        )
+    kept = {name: schedule for name, schedule in schedules.items() if name in known_probes}
+    return {**data, "probes": kept}, [f"probes.{name}" for name in unknown]
+
+
+def _read_document(path: str | Path) -> Any:
+    try:
+        return parse_yaml(read_bounded(path), f"config file {path}")
+    except ConfigFileError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path | None, known_probes: dict[str, Any] | None = None) -> Config:
     """Read, parse and validate a config file; every problem is a ConfigError (exit 2, or a rejected reload)."""
     if path is None:
         return parse_config({}, known_probes)
-    try:
-        data = parse_yaml(read_bounded(path), f"config file {path}")
-    except ConfigFileError as exc:
-        raise ConfigError(str(exc)) from None
-    return parse_config(data, known_probes)
+    return parse_config(_read_document(path), known_probes)
+
+
+def load_config_tolerant(
+    path: str | Path | None, known_probes: dict[str, Any] | None = None
+) -> tuple[Config, ConfigNotes]:
+    """load_config for the daemon: unknown keys are set aside (agent/configcompat.py), every other problem is
+    still a ConfigError."""
+    if path is None:
+        return parse_config_tolerant({}, known_probes)
+    return parse_config_tolerant(_read_document(path), known_probes)
 
 
 def default_config_yaml(known_probes: dict[str, Any]) -> str:

@@ -15,11 +15,14 @@ from typing import Any
 
 import yaml
 
+from probes.text import clip
+
 MAX_CONFIG_BYTES = 1 << 20  # a generous config is a few KiB; the shipped one is about 2
 MAX_ALIASES = 100
 MAX_DEPTH = 50
 MAX_VALUES = 100_000  # scalars and containers, counted with aliases expanded
 ERROR_EXCERPT_CHARS = 120
+ERROR_MESSAGE_CHARS = 300  # a parser's own message quoted in a config error
 
 
 class ConfigFileError(Exception):
@@ -32,7 +35,7 @@ def excerpt(value: Any, limit: int = ERROR_EXCERPT_CHARS) -> str:
         text = repr(value) if not isinstance(value, (dict, list)) or _small(value) else f"<{type(value).__name__}>"
     except (RecursionError, ValueError):
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return clip(text, limit)
 
 
 def _small(value: dict[Any, Any] | list[Any]) -> bool:
@@ -120,15 +123,11 @@ def parse_yaml(data: bytes, where: str = "config") -> Any:
     except ConfigFileError as exc:
         raise ConfigFileError(f"{where}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigFileError(f"{where}: not valid YAML: {_clip(str(exc))}") from None
+        raise ConfigFileError(f"{where}: not valid YAML: {clip(str(exc), ERROR_MESSAGE_CHARS)}") from None
     except (ValueError, RecursionError, OverflowError) as exc:  # e.g. an integer of thousands of digits
-        raise ConfigFileError(f"{where}: unreadable value: {_clip(str(exc))}") from None
+        raise ConfigFileError(f"{where}: unreadable value: {clip(str(exc), ERROR_MESSAGE_CHARS)}") from None
     finally:
         loader.dispose()
     if count_values(document) > MAX_VALUES:
         raise ConfigFileError(f"{where}: expands to more than {MAX_VALUES} values (YAML aliases?)")
     return document
-
-
-def _clip(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,4 +1,7 @@
-"""`node-health diagnose PID`: print the classified py-spy stack dump of a stuck process (probes.runtime.pyspy)."""
+"""`node-health diagnose PID`: print the classified py-spy stack dump of a stuck process (probes.runtime.pyspy).
+
+The dump is the tenant's: its thread names, file names and locals are printed escaped (probes/text.py).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 import sys
 
 from probes.runtime.pyspy import BLOCKED_IO, FILEBATON_WAIT, IDLE_EVENT_LOOP, LOCK_WAIT, Diagnosis, diagnose
+from probes.text import escape, escape_value
 
 _HINTS = {
     FILEBATON_WAIT: "if no live process holds the lock (fuser {lock}; node-health check --only storage.locks), "
@@ -22,7 +26,7 @@ def format_diagnosis(d: Diagnosis) -> str:
     """A readable report: classification, hint, then every thread's stack (innermost first)."""
     lines = [f"PID {d.pid}: {d.kind}" + (f" — {d.detail}" if d.detail else "")]
     if d.error:
-        return lines[0]
+        return escape(lines[0])
     if d.reason:
         lines.append(f"reason: {d.reason}")
     hint = _HINTS.get(d.kind)
@@ -39,7 +43,7 @@ def format_diagnosis(d: Diagnosis) -> str:
             lines.append(f"    {frame.where()}")
             for name, value in frame.locals.items():
                 lines.append(f"        {name} = {value}")
-    return "\n".join(lines)
+    return "\n".join(escape(line) for line in lines)
 
 
 def main_diagnose(pid: int, as_json: bool, timeout: float = 10.0, py_spy: str = "py-spy") -> int:
@@ -49,9 +53,9 @@ def main_diagnose(pid: int, as_json: bool, timeout: float = 10.0, py_spy: str = 
         return 2
     diagnosis = diagnose(pid, timeout, py_spy=py_spy)
     if as_json:
-        print(json.dumps(diagnosis.to_dict(), indent=2, default=str))
+        print(json.dumps(escape_value(diagnosis.to_dict()), indent=2, default=str))
     elif diagnosis.error:
-        print(f"node-health diagnose: PID {pid}: {diagnosis.error}", file=sys.stderr)
+        print(f"node-health diagnose: PID {pid}: {escape(diagnosis.error)}", file=sys.stderr)
     else:
         print(format_diagnosis(diagnosis))
     return 1 if diagnosis.error else 0

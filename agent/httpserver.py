@@ -3,179 +3,45 @@
 Why not a framework: /ready is the pre-flight of every job on the node and must answer in well under 5 ms
 at 50 keep-alive connections on 2 cores, also while probes misbehave. A general framework spends most of
 that budget in routing, middleware and request objects; this server answers a cached response straight
-from `data_received`, and only a handler that must wait (a long-poll) costs a task.
+from the read callback, and only a handler that must wait (a long-poll) costs a task. Request heads are
+read strictly and answers encoded in `agent.httpwire`; the limits are in `agent.httplimits`.
 
 Scope, deliberately: GET and HEAD; no request bodies (a GET carries none; anything with a body is refused);
 keep-alive and pipelining.
 
 The port is reachable by every pod of the cluster, so every cost a client can cause is bounded (`Limits`):
 connections in all and per peer address (with a reserve so the node itself and new peers still get in),
-the time to send a request head, the time a client may leave its answers unread, unparsed input per
-connection, and one pipelined request per connection per loop turn, so one client cannot starve the others.
-Errors of the loop itself (accept failing at the fd limit) are logged at a bounded rate.
+the time to send a request head, the time a client may leave its answers unread, one pipelined request per
+connection per loop turn (so one client cannot starve the others), and the memory a connection can pin:
+reads land in one shared buffer, at most what the connection may still hold (`max_buffered`, so asyncio never
+reads 256 KiB at once for it); an answer is handed to the transport a chunk at a time, so a client that never
+reads pins one chunk, not a copy of the answer; and the kernel's buffers are set (SO_RCVBUF, SO_SNDBUF) on the
+listening socket, which every accepted one inherits. `worst_case_bytes` adds it up (docs/http.md). Errors of the
+loop itself (accept failing at the fd limit) are logged at a bounded rate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import resource
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import Any
-from urllib.parse import parse_qs, unquote
+
+from agent.httplimits import WRITE_CHUNK, Limits
+from agent.httpwire import MAX_HEAD_BYTES as MAX_HEAD_BYTES
+from agent.httpwire import MAX_QUERY_FIELDS as MAX_QUERY_FIELDS
+from agent.httpwire import BadRequest, Request, bare_line_end, encode_head, encode_response, error_response, parse_head
+from agent.httpwire import Response as Response
+from probes.text import ASCII_ELLIPSIS, clip, escape
 
 log = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 16 * 1024
-MAX_QUERY_FIELDS = 16
-# File descriptors left to the rest of the agent (probes, children, files) when the connection limit is
-# derived from RLIMIT_NOFILE.
-FD_RESERVE = 256
-
-
-def _fd_limit() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
-
-
-def default_backlog(fd_limit: int | None = None) -> int:
-    """The listen queue absorbs connection bursts; asyncio also accepts up to this many sockets in one loop
-    turn, so it is part of the fd budget: 1024, less where the fd limit is low."""
-    fd_limit = _fd_limit() if fd_limit is None else fd_limit
-    return max(64, min(1024, (fd_limit - FD_RESERVE) // 4))
-
-
-def default_max_connections(fd_limit: int | None = None) -> int:
-    """At most 4096, and always below the fd limit: accept() failing with EMFILE would stop all answers."""
-    fd_limit = _fd_limit() if fd_limit is None else fd_limit
-    return max(16, min(4096, fd_limit - FD_RESERVE - default_backlog(fd_limit)))
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_connections: int = field(default_factory=default_max_connections)
-    max_per_peer: int = 64  # one address (one pod) cannot hold more
-    # Local peers (loopback, or the address the client connected to: the node talking to itself) may go this
-    # far beyond max_connections, and are not held to max_per_peer.
-    local_reserve: int = 32
-    # The last slots below max_connections go only to peers that hold no connection yet.
-    new_peer_reserve: int = 64
-    head_timeout: float = 10.0  # from connecting (or the first byte of a later request) to a complete head
-    idle_timeout: float = 75.0  # keep-alive between requests
-    send_timeout: float = 10.0  # answers left unread this long: the connection is dropped
-    linger: float = 2.0  # a closed connection whose last bytes cannot be delivered is dropped after this
-    max_buffered: int = 64 * 1024  # unparsed input held per connection; reading pauses beyond it
-    # Queued answer bytes beyond which a connection pauses (reading too). 0: the next answer is written only
-    # once the last one has gone to the kernel, so a client that never reads pins at most one answer.
-    write_high_water: int = 0
-    backlog: int = field(default_factory=default_backlog)
-    send_buffer: int = 64 * 1024  # SO_SNDBUF: bounds the kernel memory a client that never reads pins
-    sweep_every: float = 1.0
-    log_every: float = 10.0  # loop errors of one kind: one log line per this many seconds
-
-    def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.max_per_peer < 1:
-            raise ValueError("connection limits must be at least 1")
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    query_string: str
-    headers: dict[str, str]
-
-    @property
-    def query(self) -> dict[str, list[str]]:
-        """Query parameters; a parameter given twice keeps both values (callers reject that). Raises
-        ValueError beyond MAX_QUERY_FIELDS fields, so a request cannot make the loop parse thousands."""
-        return parse_qs(self.query_string, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
-
-
-@dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    headers: dict[str, str] = field(default_factory=dict)
-
-
 Handler = Callable[[Request], "Response | Awaitable[Response]"]
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def parse_head(head: bytes) -> tuple[Request, bool, bool]:
-    """One request head (without the blank line) → (request, keep_alive, has_body)."""
-    text = head.decode("latin-1")  # decodes every byte
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise BadRequest(400, "malformed request line")
-    method, target, version = parts
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise BadRequest(400, "malformed header line")
-        headers[name.lower()] = value.strip()
-    connection = headers.get("connection", "").lower()
-    keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-    has_body = headers.get("content-length", "0").strip() not in ("", "0") or "transfer-encoding" in headers
-    if not target.startswith("/"):
-        raise BadRequest(400, "request target must be a path")
-    path, _, query = target.partition("?")
-    return Request(method, unquote(path), query, headers), keep_alive, has_body
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        phrase = "Unknown"
-    return f"HTTP/1.1 {status} {phrase}\r\n".encode("latin-1")
-
-
-_STATUS_LINES = {int(status): _status_line(int(status)) for status in HTTPStatus}
-
-
-def encode_response(response: Response, keep_alive: bool, head_only: bool) -> bytes:
-    parts = [
-        _STATUS_LINES.get(response.status) or _status_line(response.status),
-        b"Content-Type: ",
-        response.content_type.encode("latin-1"),
-        b"\r\nContent-Length: ",
-        str(len(response.body)).encode(),
-        b"\r\n",
-    ]
-    for name, value in response.headers.items():
-        parts.append(f"{name}: {value}\r\n".encode("latin-1"))
-    if not keep_alive:
-        parts.append(b"Connection: close\r\n")
-    parts.append(b"\r\n")
-    if not head_only:
-        parts.append(response.body)
-    return b"".join(parts)
-
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    """Always valid JSON: json.dumps escapes quotes, backslashes and control bytes a client put in a path."""
-    return Response(status, json.dumps({"error": message}).encode(), headers=headers or {})
-
-
-def clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
 
 
 def is_local_peer(peer: str, local: str) -> bool:
@@ -184,7 +50,7 @@ def is_local_peer(peer: str, local: str) -> bool:
     return bool(peer) and peer == local
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(asyncio.BufferedProtocol):
     def __init__(self, server: HttpServerCore) -> None:
         self._server = server
         self._limits = server.limits
@@ -194,6 +60,8 @@ class _Connection(asyncio.Protocol):
         self._buffer = b""
         self._pos = 0  # start of the unparsed input in _buffer
         self._scanned = 0  # _buffer[_pos:_scanned] is known to hold no complete head
+        self._out: deque[memoryview] = deque()  # the rest of a large answer, handed over chunk by chunk
+        self._close_when_sent = False
         self._task: asyncio.Future[Response] | None = None  # a handler that must wait (a long-poll)
         self._turn_pending = False
         self._write_paused = False
@@ -222,12 +90,6 @@ class _Connection(asyncio.Protocol):
             transport.close()
             return
         transport.set_write_buffer_limits(high=self._limits.write_high_water)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._limits.send_buffer)
-            except OSError:
-                pass
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -243,10 +105,22 @@ class _Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._stalled_since = 0.0
+        if self._out:
+            self._flush()
+            return
         self._resume_reading_if_room()
         self._schedule_turn()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the transport reads to: the server's one scratch buffer, cut to what this connection may still
+        hold (reading is paused before that is nothing)."""
+        scratch = self._server.scratch
+        if not self._buffer:
+            return scratch  # nothing held (between requests): all of it
+        return scratch[: max(1, self._limits.max_buffered - (len(self._buffer) - self._pos))]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        data = bytes(self._server.scratch[:nbytes])
         if self.closing:
             return
         if self._pos:
@@ -257,7 +131,7 @@ class _Connection(asyncio.Protocol):
             self._buffer += data
         else:
             self._buffer = data
-        if len(self._buffer) > self._limits.max_buffered:
+        if len(self._buffer) - self._pos >= self._limits.max_buffered:
             self._pause_reading()
         if not self._turn_pending and self._task is None and not self._write_paused:
             self._serve_next()
@@ -268,6 +142,8 @@ class _Connection(asyncio.Protocol):
             # HTTP clients do not half-close; end of input while a long-poll waits means the client left.
             self._close()
             return None
+        if self._out and not self.closing:
+            return True  # the rest of an answer is still to go; _answered() closes after it
         if len(self._buffer) > self._pos and not self.closing:
             self._schedule_turn()
             return True  # answer what was pipelined before the end, then close
@@ -286,11 +162,14 @@ class _Connection(asyncio.Protocol):
 
     def _serve_next(self) -> None:
         """Answer at most one request; a further pipelined one waits for the next loop turn."""
-        if self.closing or self._task is not None or self._write_paused:
+        if self.closing or self._task is not None or self._write_paused or self._out:
             return
         buffer, pos = self._buffer, self._pos
-        end = buffer.find(b"\r\n\r\n", max(pos, self._scanned - 3), pos + MAX_HEAD_BYTES + 4)
+        end = buffer.find(b"\r\n\r\n", max(pos, self._scanned - 3), pos + MAX_HEAD_BYTES)
         if end < 0:
+            if bare_line_end(buffer, max(pos, self._scanned - 1)):
+                self._fail(400, "bare LF or CR in the request head: lines end with CRLF")
+                return
             self._await_head(len(buffer) - pos)
             return
         head = buffer[pos:end]
@@ -309,14 +188,13 @@ class _Connection(asyncio.Protocol):
         result = self._server.dispatch(request)
         if isinstance(result, Response):
             self._send(result, request, keep_alive)
-            self._answered()
             return
         task = asyncio.ensure_future(result)
         self._task = task
         task.add_done_callback(functools.partial(self._finish_async, request, keep_alive))
 
     def _await_head(self, pending: int) -> None:
-        if pending > MAX_HEAD_BYTES:
+        if pending >= MAX_HEAD_BYTES:
             self._fail(431, "request head too large")
             return
         self._scanned = len(self._buffer)
@@ -339,7 +217,6 @@ class _Connection(asyncio.Protocol):
         else:
             response = task.result()
         self._send(response, request, keep_alive)
-        self._answered()
 
     def _answered(self) -> None:
         self._last_active = time.monotonic()
@@ -355,9 +232,32 @@ class _Connection(asyncio.Protocol):
     def _send(self, response: Response, request: Request, keep_alive: bool) -> None:
         if self._transport is None or self.closing:
             return
-        self._transport.write(encode_response(response, keep_alive, request.method == "HEAD"))
+        head = encode_head(response, keep_alive)
+        body = b"" if request.method == "HEAD" else response.body
         if not keep_alive:
+            self._close_when_sent = True
+            self._closed_at = time.monotonic()  # the linger counts from the last answer, delivered or not
+        if len(head) + len(body) <= WRITE_CHUNK:
+            self._transport.write(head + body)
+        else:
+            self._transport.write(head)
+            self._out.append(memoryview(body))
+        self._flush()
+
+    def _flush(self) -> None:
+        """The next chunks of the answer, while the kernel takes them; then the next request."""
+        transport = self._transport
+        while self._out and not self._write_paused and not self.closing and transport is not None:
+            view = self._out.popleft()
+            if len(view) > WRITE_CHUNK:
+                self._out.appendleft(view[WRITE_CHUNK:])
+            transport.write(view[:WRITE_CHUNK])  # pause_writing() runs within when the kernel's buffer is full
+        if self._out or self.closing:
+            return
+        if self._close_when_sent:
             self._close()
+        else:
+            self._answered()
 
     def _fail(self, status: int, message: str) -> None:
         if self._transport is not None and not self.closing:
@@ -365,14 +265,27 @@ class _Connection(asyncio.Protocol):
         self._close()
 
     def _close(self) -> None:
-        if not self.closing:
-            self.closing = True
-            self._closed_at = time.monotonic()
+        """The answers queued go out, then a FIN; what the client still sends is read and dropped until it
+        closes too, or for `linger`: a close with unread input resets the connection, and the client would
+        lose the answer it has not read yet (a 400 for a request it pipelined more after)."""
+        if self.closing:
+            return
+        self.closing = True
+        self._closed_at = self._closed_at if self._close_when_sent else time.monotonic()
         self._buffer, self._pos, self._scanned = b"", 0, 0
+        self._out.clear()
         if self._task is not None:
             self._task.cancel()
-        if self._transport is not None:
-            self._transport.close()
+        transport = self._transport
+        if transport is None:
+            return
+        if self._eof or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if self._read_paused:
+            self._read_paused = False
+            transport.resume_reading()
 
     def unsent_bytes(self) -> int:
         return self._transport.get_write_buffer_size() if self._transport is not None else 0
@@ -410,7 +323,7 @@ class _Connection(asyncio.Protocol):
 
     def check_deadlines(self, now: float) -> None:
         limits = self._limits
-        if self.closing:
+        if self.closing or self._close_when_sent:
             if now - self._closed_at > limits.linger:
                 self.abort()
         elif self._write_paused and now - self._stalled_since > limits.send_timeout:
@@ -460,6 +373,8 @@ class HttpServerCore:
         self.connections: set[_Connection] = set()
         self.per_peer: dict[str, int] = {}
         self.refused = 0
+        # Every connection reads into this, then keeps only what it has not answered yet (see get_buffer).
+        self.scratch = memoryview(bytearray(self.limits.max_buffered))
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -506,7 +421,9 @@ class HttpServerCore:
         handler = self.routes.get(request.path)
         if handler is None:
             return error_response(
-                404, f"no such endpoint {clip(request.path, 64)} (try /ready, /healthz, /metrics, /status)"
+                404,
+                f"no such endpoint {clip(escape(request.path), 64, ASCII_ELLIPSIS)} "
+                "(try /ready, /healthz, /metrics, /status)",
             )
         if request.method not in ("GET", "HEAD"):
             return error_response(405, "read-only: GET or HEAD", {"Allow": "GET, HEAD"})
@@ -524,6 +441,10 @@ class HttpServerCore:
         self._server = await loop.create_server(
             lambda: _Connection(self), address, port, backlog=self.limits.backlog, reuse_address=True
         )
+        for sock in self._server.sockets:
+            # Accepted sockets inherit them (and the kernel no longer grows them): set once, here.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.limits.receive_buffer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
         self._sweeper = loop.call_later(self.limits.sweep_every, self._sweep)
         return self._server.sockets[0].getsockname()[1]
 

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, UnknownMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
-from agent.state import CONDITION_TYPES, PROBLEM_STATUSES, Snapshot
-from probes.base import Sample
+from agent.snapshot import PROBLEM_STATUSES, Snapshot, SnapshotSource
+from probes.base import CATEGORIES, Sample
 
 SampleSource = Callable[[], Iterable[Sample]]
 
@@ -23,17 +23,8 @@ RUN_RESULTS = ("ok", "error", "timeout")
 CACHE_MAX_AGE_SECONDS = 1.0
 
 
-def snapshot_key(snapshot: Snapshot) -> Hashable:
-    """Identifies what a snapshot says now: its version, and which results have gone stale since it was
-    published (a wedged scheduler publishes nothing, yet staleness must show)."""
-    current = snapshot.current()
-    if current is snapshot:
-        return (snapshot.version, ())
-    return (snapshot.version, tuple(state.finding.key for state in current.checks if state.stale))
-
-
 class SnapshotCollector:
-    def __init__(self, snapshot: Callable[[], Snapshot], sources: Iterable[SampleSource] = ()) -> None:
+    def __init__(self, snapshot: SnapshotSource, sources: Iterable[SampleSource] = ()) -> None:
         self._snapshot = snapshot
         self._sources = list(sources)
 
@@ -44,7 +35,7 @@ class SnapshotCollector:
         return []  # avoid a collect() at registration time
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot().current()
+        snap = self._snapshot()
         yield from core_metrics(snap)
         samples: list[Sample] = list(snap.samples)
         for source in self._sources:
@@ -81,7 +72,7 @@ def core_metrics(snap: Snapshot) -> Iterator[Metric]:
         status.add_metric([finding.check, finding.subject], finding.status.metric_value)
         if finding.status in PROBLEM_STATUSES:
             problem.add_metric([finding.check, finding.subject, finding.reason], 1.0)
-            active.add((CONDITION_TYPES[finding.category], finding.reason))
+            active.add((CATEGORIES[finding.category].condition_type, finding.reason))
     for type_, reason in sorted(active):
         npd_gauge.add_metric([type_, reason], 1.0)
     yield status
@@ -155,7 +146,7 @@ class MetricsRenderer:
 
     def __init__(
         self,
-        snapshot: Callable[[], Snapshot],
+        snapshot: SnapshotSource,
         sources: Iterable[SampleSource] = (),
         max_age: float = CACHE_MAX_AGE_SECONDS,
     ) -> None:
@@ -170,7 +161,7 @@ class MetricsRenderer:
 
     def render(self) -> bytes:
         """The exposition, re-rendered only for a new snapshot or after max_age seconds."""
-        key = snapshot_key(self._snapshot())
+        key = self._snapshot().cache_key
         now = time.monotonic()
         cached = self._cache
         if cached is not None and cached[0] == key and now - cached[1] < self.max_age:

@@ -16,9 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.state import AGENT_REASONS
+from agent.reasons import AGENT_REASONS
 from probes import all_families, all_probes
-from probes.base import COMMON_REASONS, Family, Probe, Reason, family_of
+from probes.base import COMMON_REASONS, Probe, Reason
+from probes.family import Family, family_of
 
 REPO = Path(__file__).resolve().parent.parent
 TROUBLESHOOTING = "docs/troubleshooting.md"

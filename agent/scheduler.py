@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.config import Config
-from agent.state import PARSE_ERROR, PROBE_ERROR, PROBE_TIMEOUT, HealthState, ProbeSpec
-from probes.base import Finding, Probe, ProbeContext, ProbeParseError, Sample, Status
+from agent.reasons import PROBE_ERROR, PROBE_TIMEOUT
+from agent.state import HealthSettings, HealthState, ProbeSpec
+from probes.base import PARSE_ERROR, Check, Finding, Probe, ProbeContext, ProbeParseError, Reason, Sample, Status
 from probes.network.config import NetworkConfig
 from probes.runtime.host import Host
+from probes.runtime.podresources.pods import KubeletAccess, PodDirectory
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,18 @@ def probe_spec(probe: Probe, config: Config) -> ProbeSpec:
     )
 
 
+def health_settings(config: Config, one_shot: bool = False) -> HealthSettings:
+    """The settings results are judged by. A one-shot run (`node-health check`) has one result per check to
+    judge, so it enters and leaves fail on that one: thresholds 1/1 whatever the config says."""
+    health = config.health
+    return HealthSettings(
+        fail_threshold=1 if one_shot else health.fail_threshold,
+        recovery_threshold=1 if one_shot else health.recovery_threshold,
+        stale_after_intervals=health.stale_after_intervals,
+        required=tuple(health.required_checks),
+    )
+
+
 def enabled_probes(probes: dict[str, Probe], config: Config) -> dict[str, Probe]:
     return {name: probe for name, probe in probes.items() if config.schedule(name).enabled}
 
@@ -69,11 +83,12 @@ def split_output(probe: Probe, output: object) -> tuple[list[Finding], list[Samp
     return findings, samples
 
 
-def unknown_findings(probe: Probe, reason: str, message: str, hint: str) -> list[Finding]:
-    return [Finding(check, "", Status.UNKNOWN, reason, message, hint) for check in probe.checks]
+def unknown_findings(probe: Probe, reason: Reason, message: str) -> list[Finding]:
+    """One finding per check of the probe, with the reason's declared status and fix."""
+    return [Check(check).report(reason, "", message) for check in probe.checks]
 
 
-def probe_context(host: Host, config: Config, timeout: float) -> ProbeContext:
+def probe_context(host: Host, config: Config, timeout: float, pods: PodDirectory | None = None) -> ProbeContext:
     """One run's context: what a probe needs of the agent's settings, as the context's typed fields."""
     return ProbeContext(
         host,
@@ -82,12 +97,18 @@ def probe_context(host: Host, config: Config, timeout: float) -> ProbeContext:
         node_name=config.resolved_node_name,
         redact_cmdlines=config.redact_cmdlines,
         host_resolver=config.section(NetworkConfig).dns.host_resolver(),
+        kubelet=KubeletAccess(
+            config.kubernetes.pod_resources_socket, config.kubernetes.pod_resources_timeout_seconds, pods
+        ),
     )
 
 
-def execute(probe: Probe, host: Host, config: Config, timeout: float) -> tuple[str, list[Finding], list[Sample]]:
-    """Run one probe once in the calling thread: (result, findings, samples). Never raises."""
-    ctx = probe_context(host, config, timeout)
+def execute(
+    probe: Probe, host: Host, config: Config, timeout: float, pods: PodDirectory | None = None
+) -> tuple[str, list[Finding], list[Sample]]:
+    """Run one probe once in the calling thread: (result, findings, samples). Never raises. `pods`: the node's
+    pods as the agent's Kubernetes side lists them, when it runs."""
+    ctx = probe_context(host, config, timeout, pods)
     try:
         skip_reason = probe.applicable(ctx)
         if skip_reason:
@@ -97,11 +118,11 @@ def execute(probe: Probe, host: Host, config: Config, timeout: float) -> tuple[s
     except ProbeParseError as exc:
         log.warning("probe %s: parse error: %s", probe.name, exc)
         msg = f"could not parse tool output: {exc}"
-        return "error", unknown_findings(probe, PARSE_ERROR, msg, "the tool's output format is new to the agent"), []
+        return "error", unknown_findings(probe, PARSE_ERROR, msg), []
     except Exception as exc:
         log.warning("probe %s raised %s: %s", probe.name, type(exc).__name__, exc, exc_info=log.isEnabledFor(10))
         msg = f"probe {probe.name} failed: {type(exc).__name__}: {exc}"
-        return "error", unknown_findings(probe, PROBE_ERROR, msg, "see the agent log"), []
+        return "error", unknown_findings(probe, PROBE_ERROR, msg), []
 
 
 class Scheduler:
@@ -113,8 +134,13 @@ class Scheduler:
         state: HealthState,
         on_run: Callable[[str, str, float], None] | None = None,
         rng: random.Random | None = None,
+        one_shot: bool = False,
+        pods: PodDirectory | None = None,
     ) -> None:
+        """`one_shot`: for run_all_once (`node-health check`), judged by health_settings(config, one_shot=True)."""
         self._probes = probes
+        self._one_shot = one_shot
+        self.pods = pods  # set by the agent once its Kubernetes side runs
         self._host = host
         self._state = state
         self._on_run = on_run
@@ -156,13 +182,8 @@ class Scheduler:
                 # two seconds) so the change shows in its results now, not one full interval later.
                 slot.next_due = min(slot.next_due, now + self._rng.uniform(0, 2.0))
                 slot.spec, slot.jitter = spec, jitter
-        self._state.configure(
-            [slot.spec for slot in self._slots.values()],
-            fail_threshold=config.health.fail_threshold,
-            recovery_threshold=config.health.recovery_threshold,
-            stale_after_intervals=config.health.stale_after_intervals,
-            required=config.health.required_checks,
-        )
+        # The one path by which the config's health settings reach the state.
+        self._state.configure([slot.spec for slot in self._slots.values()], health_settings(config, self._one_shot))
 
     # --- loop ------------------------------------------------------------------------------------
 
@@ -224,9 +245,7 @@ class Scheduler:
         slot.reported_timeout_at = now
         message = f"probe {name} still running after {elapsed:.1f}s (timeout {slot.spec.timeout:g}s)"
         log.warning(message)
-        findings = unknown_findings(
-            slot.probe, PROBE_TIMEOUT, message, "the probe is blocked (hung filesystem or tool?); see the agent log"
-        )
+        findings = unknown_findings(slot.probe, PROBE_TIMEOUT, message)
         self._state.record(name, findings, result="timeout", duration=elapsed, still_running=True)
         if self._on_run:
             self._on_run(name, "timeout", elapsed)
@@ -246,7 +265,7 @@ class Scheduler:
 
     def _worker(self, name: str, slot: _Slot, run_id: int, config: Config) -> None:
         started = time.monotonic()
-        result, findings, samples = execute(slot.probe, self._host, config, slot.spec.timeout)
+        result, findings, samples = execute(slot.probe, self._host, config, slot.spec.timeout, self.pods)
         duration = time.monotonic() - started
         with self._lock:
             slot.thread = None
@@ -283,14 +302,9 @@ class Scheduler:
                     self._watch_running(name, slot, max(time.monotonic(), slot.started_mono + slot.spec.timeout + 1e-3))
 
 
-def build_state(config: Config, one_shot: bool = False) -> HealthState:
-    return HealthState(
-        config.resolved_node_name,
-        fail_threshold=1 if one_shot else config.health.fail_threshold,
-        recovery_threshold=1 if one_shot else config.health.recovery_threshold,
-        stale_after_intervals=config.health.stale_after_intervals,
-        required=config.health.required_checks,
-    )
+def build_state(config: Config) -> HealthState:
+    """The node's state; its settings come with the probes from the Scheduler (health_settings)."""
+    return HealthState(config.resolved_node_name)
 
 
 def instantiate(classes: dict[str, type[Probe]]) -> dict[str, Probe]:

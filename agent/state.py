@@ -1,8 +1,8 @@
-"""Health state and verdict.
+"""Health state: the latest result per (check, subject), hysteresis, fail-closed rules and freshness.
 
-HealthState keeps the latest result per (check, subject), applies hysteresis, marks results stale, and
-publishes one immutable Snapshot that HTTP, metrics and the Kubernetes reconciler all read. Nothing that
-reads a snapshot runs a probe.
+HealthState takes each probe run's results, applies hysteresis, marks results stale, and publishes one
+immutable Snapshot (agent/snapshot.py) that HTTP, metrics, the CLI and the Kubernetes agent read through
+`current()`. Nothing that reads a snapshot runs a probe.
 """
 
 from __future__ import annotations
@@ -10,86 +10,13 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
-from probes.base import (
-    CATEGORIES,
-    OBSERVED_HBM_FREE_MIB,
-    OBSERVED_HOST_MEM_AVAILABLE_MIB,
-    OBSERVED_HUGEPAGES_FREE,
-    Finding,
-    Reason,
-    Sample,
-    Status,
-    category_of,
-)
-
-# Reasons the agent itself gives (not a probe): they block readiness whether the check is required or not,
-# because they say the agent cannot vouch for the node.
-WARMING_UP = "WarmingUp"
-STALE = "Stale"
-PROBE_TIMEOUT = "ProbeTimeout"
-PROBE_ERROR = "ProbeError"
-PARSE_ERROR = "ParseError"
-HBM_BELOW_REQUEST = "HbmBelowRequest"
-HOST_MEM_BELOW_REQUEST = "HostMemoryBelowRequest"
-ALWAYS_BLOCKING = frozenset({WARMING_UP, STALE})
-
-# The reasons the agent itself gives, documented beside the probes' own (node-health probes --reasons).
-AGENT_REASONS: tuple[Reason, ...] = (
-    Reason(
-        WARMING_UP,
-        Status.UNKNOWN,
-        "the check has not produced a result since the agent started; never ready meanwhile",
-        "wait one probe interval; /status shows when each probe last ran",
-    ),
-    Reason(
-        STALE,
-        Status.UNKNOWN,
-        "the last result is older than health.stale_after_intervals intervals: the probe is not running on schedule",
-        "see /healthz, /status and the agent log; a probe stuck on a hung filesystem or tool shows there",
-    ),
-    Reason(
-        PROBE_TIMEOUT,
-        Status.UNKNOWN,
-        "the probe overran its deadline (a hung tool or filesystem); it is not restarted while it runs",
-        "see the agent log for the probe; check the host command or mount it was using",
-    ),
-    Reason(
-        PROBE_ERROR,
-        Status.UNKNOWN,
-        "the probe raised an exception; the message names it",
-        "see the agent log (logging.level: debug shows the traceback) and report it",
-    ),
-    Reason(
-        HBM_BELOW_REQUEST,
-        Status.FAIL,
-        "/ready?min_hbm_free_mib=N: a considered device has less free device memory than the job asked for",
-        "another process holds device memory: see the device's holders (npu.holders, gpu.holders), or ask for less",
-    ),
-    Reason(
-        HOST_MEM_BELOW_REQUEST,
-        Status.FAIL,
-        "/ready?min_host_mem_mib=N or min_hugepages=N: the host has less available memory or fewer free hugepages "
-        "than the job asked for; unknown when host.memory has no current value to compare (never ready then)",
-        "stop leftovers of earlier jobs (ps aux --sort=-rss | head), or ask for less; when unknown, see the host "
-        "probe in /status",
-        also=(Status.UNKNOWN,),
-    ),
-)
-
-CONDITION_TYPES = {
-    "npu": "NPUHealthy",
-    "gpu": "GPUHealthy",
-    "storage": "StorageHealthy",
-    "network": "NetworkHealthy",
-    "time": "ClockSynced",
-    "host": "HostHealthy",
-}
-
-PROBLEM_STATUSES = (Status.FAIL, Status.WARN)
+from agent.ready import evaluate
+from agent.reasons import WARMING_UP
+from agent.snapshot import PROBLEM_STATUSES, CheckState, ProbeStatus, Snapshot
+from probes.base import Check, Finding, Sample, Status
 
 
 @dataclass(frozen=True)
@@ -103,258 +30,13 @@ class ProbeSpec:
 
 
 @dataclass(frozen=True)
-class CheckState:
-    finding: Finding  # effective: after hysteresis and freshness
-    probe: str
-    observed_at: float  # wall clock of the last result, 0 when never
-    since: float  # wall clock of the last change of the effective status
-    stale: bool = False
-    pending: str = ""  # e.g. "fail 1/2": a transition waiting for its threshold
-    expires_mono: float = math.inf  # monotonic time after which this result is stale
-    stale_limit: float = math.inf
-    # A fail that stands although the latest run could not verify it (probe error, timeout, failed scan).
-    unverified: str = ""
+class HealthSettings:
+    """How results are judged (the config's `health:` section; `node-health check` judges one run, 1/1)."""
 
-    def aged(self, now_mono: float) -> CheckState:
-        """This state as it stands at `now_mono`: stale once past its expiry."""
-        if self.stale or now_mono <= self.expires_mono:
-            return self
-        age = now_mono - self.expires_mono + self.stale_limit
-        return replace(self, finding=stale_finding(self.finding, age, self.stale_limit), stale=True)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = self.finding.to_dict()
-        out["probe"] = self.probe
-        out["observed_at"] = _rfc3339(self.observed_at) if self.observed_at else None
-        out["since"] = _rfc3339(self.since) if self.since else None
-        if self.stale:
-            out["stale"] = True
-        if self.pending:
-            out["pending"] = self.pending
-        if self.unverified:
-            out["unverified"] = self.unverified
-        return out
-
-
-@dataclass(frozen=True)
-class ProbeStatus:
-    name: str
-    interval: float
-    timeout: float
-    last_run: float | None = None  # wall clock of the last completed (or timed-out) run
-    duration_seconds: float | None = None
-    result: str = "never"  # ok, error, timeout, skip, never
-    last_success: float | None = None
-    running_since: float | None = None  # monotonic, while a run is in flight
-    runs: Mapping[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "last_run": _rfc3339(self.last_run) if self.last_run else None,
-            "duration_seconds": None if self.duration_seconds is None else round(self.duration_seconds, 4),
-            "result": self.result,
-            "interval_seconds": self.interval,
-            "timeout_seconds": self.timeout,
-            "running": self.running_since is not None,
-        }
-
-
-@dataclass(frozen=True)
-class Verdict:
-    ready: bool
-    reasons: tuple[Finding, ...]
-    age_seconds: float
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    node: str
-    version: int
-    generated_at: float
-    checks: tuple[CheckState, ...]
-    probes: tuple[ProbeStatus, ...]
-    samples: tuple[Sample, ...]
-    required: tuple[str, ...]
-    problem_counts: Mapping[str, int]
-    verdict: Verdict
-    valid_until: float = math.inf  # monotonic: past this, some result has gone stale; see current()
-    oldest_observed: float = 0.0  # wall clock of the oldest result (age_seconds of /ready)
-
-    def current(self, now_mono: float | None = None) -> Snapshot:
-        """The snapshot with freshness judged now. Readers call this, so a wedged scheduler that stops
-        publishing cannot leave an old 'ready' standing."""
-        now_mono = time.monotonic() if now_mono is None else now_mono
-        if now_mono <= self.valid_until:
-            return self
-        checks = tuple(state.aged(now_mono) for state in self.checks)
-        verdict = evaluate(checks, self.required, None, None, None, time.time())
-        return replace(self, checks=checks, verdict=verdict, valid_until=math.inf)
-
-    @property
-    def ready(self) -> bool:
-        return self.verdict.ready
-
-    @property
-    def findings(self) -> tuple[Finding, ...]:
-        return tuple(state.finding for state in self.checks)
-
-    @property
-    def warming_up(self) -> bool:
-        return any(state.finding.reason == WARMING_UP for state in self.checks)
-
-    def evaluate(
-        self,
-        checks: Collection[str] | None = None,
-        devices: Collection[int] | None = None,
-        min_hbm_free_mib: float | None = None,
-        now: float | None = None,
-        *,
-        min_host_mem_mib: float | None = None,
-        min_hugepages: float | None = None,
-    ) -> Verdict:
-        return evaluate(
-            self.checks,
-            self.required,
-            checks,
-            devices,
-            min_hbm_free_mib,
-            now or time.time(),
-            min_host_mem_mib=min_host_mem_mib,
-            min_hugepages=min_hugepages,
-        )
-
-    def categories(self) -> dict[str, tuple[CheckState, ...]]:
-        """Check states per category of the one table (probes.base.CATEGORIES)."""
-        grouped: dict[str, list[CheckState]] = {category: [] for category in CATEGORIES}
-        for state in self.checks:
-            grouped[state.finding.category].append(state)
-        return {category: tuple(states) for category, states in grouped.items()}
-
-    def to_document(self) -> dict[str, Any]:
-        """The JSON document of `check --json` and `GET /status` (docs/http.md)."""
-        return {
-            "node": self.node,
-            "ready": self.ready,
-            "generated_at": _rfc3339(self.generated_at),
-            "reasons": [reason_dict(f) for f in self.verdict.reasons],
-            "findings": [state.to_dict() for state in self.checks],
-            "probes": [probe.to_dict() for probe in self.probes],
-        }
-
-
-def reason_dict(finding: Finding) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "check": finding.check,
-        "subject": finding.subject,
-        "status": finding.status.value,
-        "reason": finding.reason,
-        "message": finding.message,
-        "hint": finding.hint,
-    }
-    if finding.device is not None:
-        out["device"] = finding.device
-    return out
-
-
-def matches_any(check: str, selectors: Collection[str]) -> bool:
-    """`npu` selects npu.*, `storage.locks` selects itself; a category selects its checks (pcie → host)."""
-    for selector in selectors:
-        if check == selector or check.startswith(selector + "."):
-            return True
-        if selector in CATEGORIES and category_of(check) == selector:
-            return True
-    return False
-
-
-def evaluate(
-    states: Iterable[CheckState],
-    required: Collection[str],
-    checks: Collection[str] | None,
-    devices: Collection[int] | None,
-    min_hbm_free_mib: float | None,
-    now: float,
-    *,
-    min_host_mem_mib: float | None = None,
-    min_hugepages: float | None = None,
-) -> Verdict:
-    reasons: list[Finding] = []
-    oldest = now
-    states = tuple(states)
-    for state in states:
-        finding = state.finding
-        if checks is not None and not matches_any(finding.check, checks):
-            continue
-        if devices is not None and finding.device is not None and finding.device not in devices:
-            continue
-        if state.observed_at:
-            oldest = min(oldest, state.observed_at)
-        if blocks(finding, required):
-            reasons.append(finding)
-        if min_hbm_free_mib is not None and finding.device is not None and finding.status != Status.SKIP:
-            free = finding.observed.get(OBSERVED_HBM_FREE_MIB)
-            if isinstance(free, (int, float)) and free < min_hbm_free_mib:
-                reasons.append(
-                    Finding(
-                        finding.check,
-                        finding.subject,
-                        Status.FAIL,
-                        HBM_BELOW_REQUEST,
-                        f"{finding.subject}: {free:g} MiB free, the job asked for {min_hbm_free_mib:g} MiB",
-                        "another process holds device memory: check the device's processes, or ask for less",
-                        {OBSERVED_HBM_FREE_MIB: free},
-                        device=finding.device,
-                    )
-                )
-    if min_host_mem_mib:
-        reasons.extend(host_memory_shortfall(states, "", OBSERVED_HOST_MEM_AVAILABLE_MIB, min_host_mem_mib))
-    if min_hugepages:
-        reasons.extend(host_memory_shortfall(states, "hugepages", OBSERVED_HUGEPAGES_FREE, min_hugepages))
-    return Verdict(not reasons, tuple(reasons), round(max(0.0, now - oldest), 3))
-
-
-def host_memory_shortfall(states: Iterable[CheckState], subject: str, key: str, wanted: float) -> list[Finding]:
-    """/ready?min_host_mem_mib= (subject "") and min_hugepages= (subject "hugepages"), judged against the current
-    host.memory result whatever checks= and devices= select: a job asked for this explicitly. A value that is not
-    current (never reported, stale, a failed run) fails closed as unknown."""
-    what, unit = ("available host memory", " MiB") if key == OBSERVED_HOST_MEM_AVAILABLE_MIB else ("free hugepages", "")
-    parameter = "min_host_mem_mib" if key == OBSERVED_HOST_MEM_AVAILABLE_MIB else "min_hugepages"
-    state = next((s for s in states if s.finding.key == ("host.memory", subject)), None)
-    value = None if state is None else state.finding.observed.get(key)
-    if state is None or state.stale or state.finding.status in (Status.UNKNOWN, Status.SKIP):
-        value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        why = "no host.memory result" if state is None else f"host.memory is {state.finding.reason}"
-        message = f"{what} not known ({why}), cannot vouch for {parameter}={wanted:g}"
-        hint = "see the host probe in /status" + ("" if subject == "" else "; the host may reserve no hugepages")
-        return [Finding("host.memory", subject, Status.UNKNOWN, HOST_MEM_BELOW_REQUEST, message, hint)]
-    if value >= wanted:
-        return []
-    message = f"{value:g}{unit} {what}, the job asked for {wanted:g}{unit}"
-    hint = "stop leftovers of earlier jobs (ps aux --sort=-rss | head), or ask for less"
-    return [Finding("host.memory", subject, Status.FAIL, HOST_MEM_BELOW_REQUEST, message, hint, {key: value})]
-
-
-def blocks(finding: Finding, required: Collection[str]) -> bool:
-    if finding.status == Status.FAIL:
-        return True
-    if finding.status == Status.UNKNOWN:
-        return finding.reason in ALWAYS_BLOCKING or matches_any(finding.check, required)
-    return False
-
-
-def stale_finding(finding: Finding, age: float, limit: float) -> Finding:
-    return replace(
-        finding,
-        status=Status.UNKNOWN,
-        reason=STALE,
-        message=f"last result is {age:.0f}s old (limit {limit:.0f}s); was {finding.reason}",
-        hint="the probe is not running on schedule: see /status and /healthz",
-    )
-
-
-def _rfc3339(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+    fail_threshold: int = 2
+    recovery_threshold: int = 2
+    stale_after_intervals: float = 3.0
+    required: tuple[str, ...] = ()  # unknown results of these checks block readiness too
 
 
 @dataclass
@@ -384,10 +66,7 @@ class HealthState:
     def __init__(
         self,
         node: str,
-        fail_threshold: int = 2,
-        recovery_threshold: int = 2,
-        stale_after_intervals: float = 3.0,
-        required: Iterable[str] = (),
+        settings: HealthSettings = HealthSettings(),
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -395,10 +74,7 @@ class HealthState:
         self._clock = clock
         self._mono = monotonic
         self.node = node
-        self.fail_threshold = fail_threshold
-        self.recovery_threshold = recovery_threshold
-        self.stale_after_intervals = stale_after_intervals
-        self.required = tuple(required)
+        self.settings = settings
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._probes: dict[str, _ProbeBook] = {}
         self._problem_counts: dict[str, int] = {}
@@ -408,24 +84,12 @@ class HealthState:
 
     # --- configuration ---------------------------------------------------------------------------
 
-    def configure(
-        self,
-        probes: Iterable[ProbeSpec],
-        fail_threshold: int | None = None,
-        recovery_threshold: int | None = None,
-        stale_after_intervals: float | None = None,
-        required: Iterable[str] | None = None,
-    ) -> None:
-        """Set the probes in force: results of probes no longer configured disappear (nothing lingers)."""
+    def configure(self, probes: Iterable[ProbeSpec], settings: HealthSettings | None = None) -> None:
+        """Set the probes in force (results of probes no longer configured disappear: nothing lingers) and,
+        when given, the settings results are judged by from now on."""
         with self._lock:
-            if fail_threshold is not None:
-                self.fail_threshold = fail_threshold
-            if recovery_threshold is not None:
-                self.recovery_threshold = recovery_threshold
-            if stale_after_intervals is not None:
-                self.stale_after_intervals = stale_after_intervals
-            if required is not None:
-                self.required = tuple(required)
+            if settings is not None:
+                self.settings = settings
             specs = {spec.name: spec for spec in probes}
             for name in list(self._probes):
                 if name not in specs:
@@ -447,15 +111,7 @@ class HealthState:
             self._publish()
 
     def _placeholder(self, check: str, probe: str) -> _Entry:
-        finding = Finding(
-            check,
-            "",
-            Status.UNKNOWN,
-            WARMING_UP,
-            f"{check} has not produced a result yet",
-            "wait for the first probe run (see /status for probe timing)",
-        )
-        return _Entry(finding, probe)
+        return _Entry(Check(check).report(WARMING_UP, "", f"{check} has not produced a result yet"), probe)
 
     # --- results ---------------------------------------------------------------------------------
 
@@ -540,7 +196,7 @@ class HealthState:
 
     def _apply(self, probe: str, finding: Finding, now: float, mono: float) -> None:
         entry = self._entries.get(finding.key)
-        if entry is None or entry.effective.reason == WARMING_UP:
+        if entry is None or entry.effective.reason == WARMING_UP.code:
             entry = _Entry(finding, probe, since=now)
             self._entries[finding.key] = entry
             self._note_transition(None, finding)
@@ -563,18 +219,18 @@ class HealthState:
         if raw.status == Status.FAIL and current != Status.FAIL:
             entry.fail_streak += 1
             entry.pass_streak = 0
-            if entry.fail_streak < self.fail_threshold:
-                entry.pending = f"fail {entry.fail_streak}/{self.fail_threshold}"
+            if entry.fail_streak < self.settings.fail_threshold:
+                entry.pending = f"fail {entry.fail_streak}/{self.settings.fail_threshold}"
                 return
         elif raw.status in (Status.OK, Status.WARN) and current == Status.FAIL:
             entry.pass_streak += 1
             entry.fail_streak = 0
-            if entry.pass_streak < self.recovery_threshold:
-                entry.pending = f"{raw.status.value} {entry.pass_streak}/{self.recovery_threshold}"
+            if entry.pass_streak < self.settings.recovery_threshold:
+                entry.pending = f"{raw.status.value} {entry.pass_streak}/{self.settings.recovery_threshold}"
                 return
         elif raw.status == Status.UNKNOWN:
             if entry.fail_streak:
-                entry.pending = f"fail {entry.fail_streak}/{self.fail_threshold}"
+                entry.pending = f"fail {entry.fail_streak}/{self.settings.fail_threshold}"
         else:
             entry.fail_streak = 0
         if raw.status != Status.UNKNOWN:
@@ -596,7 +252,20 @@ class HealthState:
 
     @property
     def snapshot(self) -> Snapshot:
+        """The snapshot as last published; readers use current()."""
         return self._snapshot
+
+    def current(self) -> Snapshot:
+        """The snapshot with freshness judged now: the one way readers get it, so a wedged scheduler that
+        stops publishing cannot leave an old 'ready' standing. Past the published snapshot's validity it is
+        an aged view (same version, the results past their limit stale, the verdict judged again)."""
+        snapshot = self._snapshot
+        now_mono = self._mono()
+        if now_mono <= snapshot.valid_until:
+            return snapshot
+        checks = tuple(state.aged(now_mono) for state in snapshot.checks)
+        verdict = evaluate(checks, snapshot.required, self._clock())
+        return replace(snapshot, checks=checks, verdict=verdict, valid_until=math.inf, aged=True)
 
     def subscribe(self, listener: Callable[[Snapshot], None]) -> None:
         """Called (from the publishing thread) with each new snapshot; must not block."""
@@ -608,7 +277,7 @@ class HealthState:
         with self._lock:
             candidate = self._build(bump=False)
             old = self._snapshot
-            if (candidate.ready, _stale_keys(candidate)) == (old.ready, _stale_keys(old)):
+            if (candidate.ready, candidate.stale_keys) == (old.ready, old.stale_keys):
                 return False
             self._publish()
             return True
@@ -631,7 +300,7 @@ class HealthState:
             book = self._probes.get(entry.probe)
             limit = expires = math.inf
             if book is not None and entry.observed_mono:
-                limit = self.stale_after_intervals * book.spec.interval + book.spec.timeout
+                limit = self.settings.stale_after_intervals * book.spec.interval + book.spec.timeout
                 expires = entry.observed_mono + limit
             state = CheckState(
                 entry.effective,
@@ -647,10 +316,10 @@ class HealthState:
             states.append(state.aged(mono))
         samples: list[Sample] = []
         for book in self._probes.values():
-            limit = self.stale_after_intervals * book.spec.interval + book.spec.timeout
+            limit = self.settings.stale_after_intervals * book.spec.interval + book.spec.timeout
             if book.samples and mono - book.samples_mono <= limit:
                 samples.extend(book.samples)
-        verdict = evaluate(states, self.required, None, None, None, now)
+        verdict = evaluate(states, self.settings.required, now)
         fresh_expiries = [state.expires_mono for state in states if not state.stale]
         return Snapshot(
             node=self.node,
@@ -659,13 +328,9 @@ class HealthState:
             checks=tuple(states),
             probes=tuple(book.status for _, book in sorted(self._probes.items())),
             samples=tuple(samples),
-            required=self.required,
+            required=self.settings.required,
             problem_counts=dict(self._problem_counts),
             verdict=verdict,
             valid_until=min(fresh_expiries, default=math.inf),
             oldest_observed=min((s.observed_at for s in states if s.observed_at), default=now),
         )
-
-
-def _stale_keys(snapshot: Snapshot) -> tuple[tuple[str, str], ...]:
-    return tuple(state.finding.key for state in snapshot.checks if state.stale)

@@ -6,6 +6,8 @@
 - gpu: the fake NVML library (tests/support/fake_nvml, compiled with gcc) serves 8 healthy 80 GiB GPUs; the
   agent loads it through gpu.nvml_library; /dev has nvidia0..7.
 - pcie: a /sys with the 24 accelerator functions, each below its own root port, with AER counters and links.
+- the kubelet's PodResources API (`ledger=True`): the fake kubelet of tests/support/fake_kubelet.py with the 16
+  chips and 8 GPUs offered and FakeNode's allocations (chip 1, GPU 0); `ledger=False`: no socket configured.
 - the rest (storage, network, time, kernel log, the Kubernetes API double) as FakeNode sets them up.
 
 The agent's config takes from the shipped `deploy/configmap.yaml` what applies off a cluster: `logging` and the
@@ -170,8 +172,11 @@ class AcceleratorNode(FakeNode):
         interval: float | None = None,
         kube: bool = True,
         cgroup_procs: Path | None = None,
+        ledger: bool = True,
     ) -> None:
-        super().__init__(workdir, fixtures, node_name="fake-a3-node", interval=interval or 1.0, kube=kube)
+        super().__init__(
+            workdir, fixtures, node_name="fake-a3-node", interval=interval or 1.0, kube=kube, ledger=ledger
+        )
         self.default_intervals = interval is None
         self.cgroup_procs = cgroup_procs  # the agent is moved into this cgroup as soon as it starts
 
@@ -179,6 +184,9 @@ class AcceleratorNode(FakeNode):
         super().start_agent()
         if self.cgroup_procs is not None and self.agent is not None:
             self.cgroup_procs.write_text(str(self.agent.pid))
+
+    def start_kubelet(self, chips: int, gpus: list[str]) -> Any:
+        return super().start_kubelet(NPU_CHIPS, [f"GPU-fake-{g:04d}" for g in range(GPUS)])
 
     def prepare(self) -> dict[str, Any]:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +210,7 @@ class AcceleratorNode(FakeNode):
                 **shipped["kubernetes"],
                 "kubeconfig": config["kubernetes"]["kubeconfig"],
                 "budget_namespace": "node-health",
+                "pod_resources_socket": config["kubernetes"]["pod_resources_socket"],
             }
         if self.default_intervals:
             config.pop("probes", None)

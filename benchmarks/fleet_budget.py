@@ -51,7 +51,7 @@ from support.kube_helpers import PREFIX, Clock, configure, record  # noqa: E402
 
 from agent.config import parse_config  # noqa: E402
 from agent.kube import KubeAgent  # noqa: E402
-from agent.state import HealthState  # noqa: E402
+from agent.state import HealthSettings, HealthState  # noqa: E402
 
 BASELINE_COMMIT = "2a10fe9"
 BASELINE_FILES = ("agent/kube.py", "agent/kube_budget.py", "agent/kube_policy.py")
@@ -66,10 +66,21 @@ def load_baseline() -> type:
     package.__path__ = []
     sys.modules["baseline_kube"] = package
     import agent.state
+    from agent import ready, reasons, snapshot
     from probes.base import CATEGORIES
 
-    if not hasattr(agent.state, "CONDITION_TYPES"):  # a name the old policy imports
-        agent.state.CONDITION_TYPES = {c.name: c.condition_type for c in CATEGORIES.values()}  # type: ignore[attr-defined]
+    # The names the old policy and reconciler import from agent.state, from where they live now.
+    old_names: dict[str, Any] = {
+        "CONDITION_TYPES": {c.name: c.condition_type for c in CATEGORIES.values()},
+        "STALE": reasons.STALE.code,
+        "WARMING_UP": reasons.WARMING_UP.code,
+        "CheckState": snapshot.CheckState,
+        "Snapshot": snapshot.Snapshot,
+        "matches_any": ready.matches_any,
+    }
+    for name, value in old_names.items():
+        if not hasattr(agent.state, name):
+            setattr(agent.state, name, value)
     for path in ("agent/kube_policy.py", "agent/kube_budget.py", "agent/kube.py"):
         try:
             source = subprocess.run(
@@ -127,7 +138,7 @@ class Fleet:
         self.report()
 
     def _state(self) -> HealthState:
-        state = HealthState("fleet", fail_threshold=1, recovery_threshold=1, clock=self.clock, monotonic=self.clock)
+        state = HealthState("fleet", HealthSettings(1, 1), clock=self.clock, monotonic=self.clock)
         configure(state, PROBES)
         return state
 

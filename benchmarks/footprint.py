@@ -11,8 +11,11 @@ Profiles, in one run (each `--seconds` long unless said otherwise):
 - default: `node-health run --no-kube` with the built-in defaults, on this host as it is;
 - a3-kube: the fake 16-NPU + 8-GPU node of benchmarks/accelerator_node.py (fake npu-smi for 16 chips, the fake
   NVML library for 8 GPUs, mknod'ed device nodes, the shipped config's logging and kubernetes sections),
-  Kubernetes on, the agent reconciling its Node on the API double (tests/support/kube_double.py); every probe
-  at its default interval;
+  Kubernetes on, the agent reconciling its Node on the API double (tests/support/kube_double.py), the device
+  plugins' ledger on (a fake kubelet's PodResources socket: npu and gpu read it in a child every run); every
+  probe at its default interval;
+- a3-kube-no-ledger: a3-kube without the PodResources socket (kubernetes.pod_resources_socket empty), the
+  baseline of the ledger's cost;
 - a3-kube-busy: a3-kube on a busy node: PROCESSES more processes holding FDS open files each (so every holder
   scan, npu's and gpu's, reads ~PROCESSES x FDS fds), default intervals;
 - a3-kube-short: a3-kube-busy with every probe every `--short-interval` seconds (`--short-seconds` long), so each
@@ -52,7 +55,7 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests"), str(REPO)]
 
 FLOOR = "import prometheus_client, pydantic, yaml, psutil, time; print('ready', flush=True); time.sleep(86400)"
 FLOOR_KUBE = FLOOR.replace("psutil,", "psutil, kubernetes,")
-PROFILES = ("baseline", "baseline-kube", "default", "a3-kube", "a3-kube-busy", "a3-kube-short")
+PROFILES = ("baseline", "baseline-kube", "default", "a3-kube", "a3-kube-no-ledger", "a3-kube-busy", "a3-kube-short")
 MIB = 1024 * 1024
 
 
@@ -200,7 +203,12 @@ class ScanWatch:
 
 
 def a3_profile(
-    seconds: float, work: Path, interval: float | None, farm: tuple[int, int] | None, cpu_limit: int | None
+    seconds: float,
+    work: Path,
+    interval: float | None,
+    farm: tuple[int, int] | None,
+    cpu_limit: int | None,
+    ledger: bool = True,
 ) -> dict[str, Any]:
     from accelerator_node import AcceleratorNode
     from scan_quota import CpuQuota, HolderFarm
@@ -210,7 +218,9 @@ def a3_profile(
         if farm:
             stack.enter_context(HolderFarm(work / "farm", *farm))
         procs = stack.enter_context(CpuQuota(cpu_limit)).procs if cpu_limit else None
-        node = stack.enter_context(AcceleratorNode(work / "node", FIXTURES, interval=interval, cgroup_procs=procs))
+        node = stack.enter_context(
+            AcceleratorNode(work / "node", FIXTURES, interval=interval, cgroup_procs=procs, ledger=ledger)
+        )
         assert node.agent is not None and node.api is not None
         agent = node.agent
         scans = ScanWatch(node.status)
@@ -222,6 +232,9 @@ def a3_profile(
         measured["node_writes"] = len(node.api.node_writes(node.node_name))
         measured["interval_seconds"] = interval or "default"
         measured["extra_processes"] = f"{farm[0]} x {farm[1]} fds" if farm else "none"
+        measured["ledger"] = "on" if ledger else "off"
+        if node.kubelet is not None:
+            measured["ledger_calls"] = node.kubelet.calls
     return measured
 
 
@@ -238,6 +251,8 @@ def run_profile(name: str, args: argparse.Namespace) -> dict[str, Any]:
         limit = millicores(args.cpu_limit) if args.cpu_limit else None
         if name == "a3-kube":
             return a3_profile(args.seconds, work, None, None, limit)
+        if name == "a3-kube-no-ledger":
+            return a3_profile(args.seconds, work, None, None, limit, ledger=False)
         if name == "a3-kube-busy":
             return a3_profile(args.seconds, work, None, farm, limit)
         return a3_profile(args.short_seconds, work, args.short_interval, farm, limit)

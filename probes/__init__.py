@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from probes.base import FAMILIES, REGISTRY, Family, Probe
+from probes.base import REGISTRY, Probe
+from probes.family import FAMILIES, Family
 
 # Not probe modules: the contract and the runtime.
 _NOT_PROBES = {f"{__name__}.base", f"{__name__}.runtime"}

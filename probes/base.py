@@ -1,11 +1,12 @@
-"""The probe contract: statuses, findings, reasons, families, categories, the probe base class and registry.
+"""The probe contract: statuses, findings, reasons, categories, the probe base class and registry.
 
 A probe reads the host and returns findings (and optional metric samples). It knows nothing of HTTP,
 metrics exposition or Kubernetes; the agent schedules it, bounds it with a deadline and keeps its results.
 
 Everything a probe may say is declared: each probe lists the reason codes it can emit (`Probe.reasons`,
 each with its status, a one-line meaning and the fix), and each family (a package such as `probes/storage/`)
-declares its config section and its docs page (`Family`). The agent assembles these; nothing here imports it.
+declares its config section and its docs page (`Family`, in `probes.family`). The agent assembles these;
+nothing here imports it.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from probes.family import SectionT, family_of, family_settings
 from probes.runtime.resolver import HostResolverSettings
+from probes.text import escape, escape_value
 
 if TYPE_CHECKING:
     from probes.runtime.host import Host
+    from probes.runtime.podresources.pods import KubeletAccess
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,9 @@ OBSERVED_HBM_FREE_MIB = "hbm_free_mib"
 # Other names a device finding's device is known by (GPU UUID, MIG device UUIDs), so /ready?devices= takes
 # what NVIDIA_VISIBLE_DEVICES holds under the device plugin's uuid strategy: a list of strings.
 OBSERVED_DEVICE_IDS = "device_ids"
+# The pods the device plugins' ledger (the kubelet's PodResources API) allocated a device to, on the npu.ledger
+# and gpu.ledger finding about that device: a list of {namespace, name, container, resource, device_id}.
+OBSERVED_ALLOCATED_TO = "allocated_to"
 # host.memory reports MemAvailable (subject "") and free hugepages (subject "hugepages") under these keys, so
 # /ready?min_host_mem_mib=N and min_hugepages=N are answered from cached results.
 OBSERVED_HOST_MEM_AVAILABLE_MIB = "available_mib"
@@ -101,6 +106,9 @@ class Event:
     reason: str
     message: str
     warning: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", escape(self.message))
 
 
 @dataclass(frozen=True)
@@ -119,10 +127,20 @@ class Finding:
     # Overrides the category derived from the check name (e.g. a kernel.log rule about NFS → storage).
     category_override: str | None = None
     event: Event | None = None
+    # The probe judged this check required on this node: an unknown result blocks readiness whatever
+    # health.required_checks says (time.sync when NTP servers are configured and none of them answered).
+    required: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, Status):
             object.__setattr__(self, "status", Status(self.status))
+        # Where every message is made: a process name, a path, tool or kernel output in any of these reaches
+        # terminals, logs, /status and the Node only escaped (probes/text.py). The subject too, although it is
+        # a key and a metric label: escaping is idempotent, so the same subject is always the same key.
+        # `observed` keeps what was measured (/ready matches device ids in it); it leaves only by to_dict,
+        # which escapes it, and is not walked again by every replace().
+        for name in ("subject", "message", "hint"):
+            object.__setattr__(self, name, escape(getattr(self, name)))
 
     @property
     def category(self) -> str:
@@ -140,11 +158,13 @@ class Finding:
             "reason": self.reason,
             "message": self.message,
             "hint": self.hint,
-            "observed": dict(self.observed),
+            "observed": dict(escape_value(self.observed)),
             "category": self.category,
         }
         if self.device is not None:
             out["device"] = self.device
+        if self.required:
+            out["required"] = True
         return out
 
 
@@ -157,6 +177,9 @@ class Sample:
     value: float
     labels: Mapping[str, str] = field(default_factory=dict)
     kind: Literal["gauge", "counter"] = "gauge"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", escape_value(self.labels))  # a path or device name from the host
 
 
 ProbeOutput = list[Finding | Sample]
@@ -222,6 +245,7 @@ class Check:
         device: int | None = None,
         category: str | None = None,
         event: Event | None = None,
+        required: bool = False,
     ) -> Finding:
         return Finding(
             self.name,
@@ -234,6 +258,7 @@ class Check:
             device,
             category or self.category,
             event,
+            required,
         )
 
     def ok(
@@ -279,71 +304,6 @@ def check_declared(probe: Probe, findings: Sequence[Finding], allowed: Mapping[s
             log.warning("%s", what)
 
 
-# --- configuration sections and families -----------------------------------------------------------
-
-
-class Section(BaseModel):
-    """Base of every config model: unknown keys are errors, values are frozen, defaults are validated."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-SectionT = TypeVar("SectionT", bound=Section)
-
-
-@dataclass(frozen=True)
-class Family:
-    """A probe family: a package (or a single module) of probes that shares one config section and one
-    docs page. Declared in the family's `__init__.py` as `FAMILY = register_family(Family(...))`."""
-
-    key: str  # the config section, e.g. "storage" → `storage:` in config.yaml
-    module: str  # the package or module that declares it (its probes live beneath it)
-    config: type[Section]
-    title: str
-    doc: str  # the family's docs page, relative to the repository root
-    order: int = 100  # position of its section in `config --defaults`
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    existing = FAMILIES.get(family.key)
-    if existing is not None and existing != family:
-        raise ValueError(f"config section {family.key!r} declared twice ({existing.module}, {family.module})")
-    FAMILIES[family.key] = family
-    _family_of_config.cache_clear()
-    return family
-
-
-@functools.cache
-def _family_of_config(model: type[Section]) -> Family:
-    for family in FAMILIES.values():
-        if family.config is model:
-            return family
-    raise LookupError(f"{model.__name__} is not the config model of a registered family")
-
-
-def family_settings(config: BaseModel, model: type[SectionT]) -> SectionT:
-    """The section of `config` that holds `model` (a family's config model), typed."""
-    value = getattr(config, _family_of_config(model).key)
-    if not isinstance(value, model):
-        raise TypeError(f"config section {_family_of_config(model).key} is {type(value).__name__}, not {model}")
-    return value
-
-
-def family_of(probe_class: type[Probe]) -> Family | None:
-    """The family a probe belongs to: the one declared by the nearest enclosing package or module."""
-    module = probe_class.__module__
-    best: Family | None = None
-    for family in FAMILIES.values():
-        if (module == family.module or module.startswith(family.module + ".")) and (
-            best is None or len(family.module) > len(best.module)
-        ):
-            best = family
-    return best
-
-
 # --- probes -----------------------------------------------------------------------------------------
 
 
@@ -356,7 +316,8 @@ class ProbeContext:
     - `redact_cmdlines`: other tenants' command lines can hold secrets, so processes are named by PID,
       executable and pod unless the operator opts in (config: redact_cmdlines: false);
     - `host_resolver`: how the node's own resolver is set up (network.dns.nameservers, else the host's
-      resolv.conf), for every family that resolves a name the way the node does.
+      resolv.conf), for every family that resolves a name the way the node does;
+    - `kubelet`: the kubelet's PodResources socket (the device plugins' ledger) and the node's pods, when known.
 
     A family's own section is `ctx.settings(FamilyConfig)`.
     """
@@ -370,6 +331,7 @@ class ProbeContext:
         node_name: str = "",
         redact_cmdlines: bool = True,
         host_resolver: HostResolverSettings | None = None,
+        kubelet: KubeletAccess | None = None,
     ) -> None:
         self.host = host
         self.config = config
@@ -378,6 +340,11 @@ class ProbeContext:
         self.node_name = node_name
         self.redact_cmdlines = redact_cmdlines
         self.host_resolver = host_resolver if host_resolver is not None else HostResolverSettings()
+        if kubelet is None:
+            from probes.runtime.podresources.pods import KubeletAccess
+
+            kubelet = KubeletAccess()
+        self.kubelet = kubelet
 
     def remaining(self, floor: float = 0.05) -> float:
         """Seconds left before the deadline (never below `floor`, so a last call still gets a chance)."""
@@ -467,8 +434,3 @@ def register(cls: type[Probe]) -> type[Probe]:
         raise ValueError(f"probe name {cls.name!r} registered twice ({existing.__name__}, {cls.__name__})")
     REGISTRY[cls.name] = cls
     return cls
-
-
-# Config field types shared by the families' models.
-PositiveSeconds = Annotated[float, Field(gt=0)]
-Percent = Annotated[float, Field(ge=0, le=100)]

@@ -19,16 +19,9 @@ from support.system import REPO
 from agent.config import default_config_yaml
 from agent.reference import sync
 from probes import all_families, all_probes
-from probes.base import (
-    Check,
-    Probe,
-    ProbeContext,
-    ProbeOutput,
-    Reason,
-    Status,
-    UndeclaredReason,
-    family_of,
-)
+from probes.base import Check, Probe, ProbeContext, ProbeOutput, Reason, Status, UndeclaredReason
+from probes.family import family_of
+from probes.kernel.default_rules import DEFAULT_RULES
 
 PACKAGES = ("agent", "probes")
 
@@ -98,6 +91,27 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert cycles == [], " ; ".join(" → ".join(c) for c in cycles)
 
 
+# What readers of the health state build on, lowest first: no module imports one of its own layer or a higher
+# one, so the snapshot never reaches up into the state machine, nor readiness into HTTP.
+AGENT_LAYERS = (
+    ("agent.timestamps", "agent.reasons"),
+    ("agent.snapshot",),
+    ("agent.ready",),
+    ("agent.state",),
+    ("agent.http", "agent.metrics"),
+)
+
+
+def test_the_health_state_layers_import_only_downwards() -> None:
+    offenders = []
+    for index, layer in enumerate(AGENT_LAYERS):
+        not_below = {name for higher in AGENT_LAYERS[index:] for name in higher}
+        for name in layer:
+            imported = imported_modules(REPO / (name.replace(".", "/") + ".py"))
+            offenders.extend(f"{name} imports {other}" for other in sorted(imported & not_below - {name}))
+    assert offenders == []
+
+
 def test_every_probe_belongs_to_a_family_whose_docs_page_exists() -> None:
     for name, cls in all_probes().items():
         family = family_of(cls)
@@ -145,18 +159,40 @@ def test_an_undeclared_reason_raises_in_strict_mode(monkeypatch: pytest.MonkeyPa
     assert Sloppy().run(ctx)[0].status == Status.FAIL, "in production the finding is kept, never dropped"
 
 
-def test_probe_modules_stay_small() -> None:
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 70
+SIZE_MARKER = "# Size:"  # within the first SIZE_MARKER_LINES lines: why a module may be longer
+SIZE_MARKER_LINES = 40
+
+
+def size_reason(lines: list[str]) -> str:
+    """The reason a module gives for its size (a `# Size: <why>` line near its top), or ""."""
+    for line in lines[:SIZE_MARKER_LINES]:
+        if line.startswith(SIZE_MARKER):
+            return line[len(SIZE_MARKER) :].strip()
+    return ""
+
+
+def test_modules_stay_small() -> None:
+    """No module of agent/ or probes/ over 500 lines unless it says why; no function over 70 lines."""
     too_long: list[str] = []
-    for path in python_files("probes"):
+    for path in python_files(*PACKAGES):
         lines = path.read_text().splitlines()
-        if len(lines) > 650:
-            too_long.append(f"{path.relative_to(REPO)}: {len(lines)} lines")
+        if len(lines) > MAX_MODULE_LINES and not size_reason(lines):
+            too_long.append(f"{path.relative_to(REPO)}: {len(lines)} lines and no '{SIZE_MARKER} <why>' line")
         for node in ast.walk(ast.parse("\n".join(lines))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > 70:
+                if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
     assert too_long == []
+
+
+def test_the_size_marker_counts_only_near_the_top_and_with_a_reason() -> None:
+    assert size_reason(['"""doc"""', "# Size: one protocol in one place"]) == "one protocol in one place"
+    assert size_reason(['"""doc"""', "    # Size: indented, inside code"]) == ""
+    assert size_reason([*[""] * SIZE_MARKER_LINES, "# Size: too far down"]) == ""
+    assert size_reason(["# Size:"]) == "", "a marker without a reason says nothing"
 
 
 # --- config: the keys and defaults of 0.1 ------------------------------------------------------------
@@ -167,6 +203,14 @@ CHANGED_DEFAULTS = {
     ("network", "dns", "cluster_names"): ["kubernetes.default.svc"],
     # The holder scan's deadline grows with the host's fds, within 40% of the run (docs/probes/npu.md).
     ("probes", "npu", "timeout_seconds"): 20.0,
+    # Every default kernel log rule anchored to its driver's prefix, loop devices left out of the filesystem
+    # rules: a task's name or crash file name must not raise or clear a fault (docs/probes/kernel_log.md).
+    **{
+        ("kernel_log", "rules", f"[{index}]", key): rule[key]
+        for index, rule in enumerate(DEFAULT_RULES)
+        for key in ("pattern", "recover_pattern")
+        if rule.get(key)
+    },
 }
 
 
@@ -206,8 +250,10 @@ EXAMPLE = '''\
 
 from __future__ import annotations
 
-from probes.base import Check, Family, Probe, ProbeContext, ProbeOutput, Reason, Section, Status, register
-from probes.base import register_family
+from probes.base import Check, Probe, ProbeContext, ProbeOutput, Reason, Status, register
+
+from probes.family import Family, Section
+from probes.family import register_family
 
 
 class ExampleConfig(Section):

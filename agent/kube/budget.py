@@ -18,11 +18,18 @@ a list served from the API server's watch cache (resourceVersion=0). When the bu
 the same write as the taint) and GETs the few slot holders that list lacks, so slots of nodes that are gone
 or no longer tainted (an agent that died) come back. Nodes tainted without a slot (a ConfigMap deleted by
 hand) are adopted as holders by either.
+
+Records are other agents' words, judged here: their timestamps are other nodes' wall clocks, so a record is as
+old as this agent's clock says (`record_age`), and one from the future (a clock running ahead) is stale, never
+fresh for a year; a value that is not a finite, non-negative number in range is garbage (`Fleet.validated`): the
+record counts as absent, so the nodes are counted again (logged once per garbage record), which never lifts
+the budget (no taint beyond the limit) and never stalls it beyond that one recount.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
@@ -32,7 +39,29 @@ from agent.config import KubernetesConfig
 from agent.kube.client import BudgetConflict, KubeApi, is_status
 from agent.kube.policy import BLOCKING_EFFECTS, tainted_label_key
 
+log = logging.getLogger("agent.kube")
+
 LABELS = {"app.kubernetes.io/name": "node-health", "app.kubernetes.io/component": "taint-budget"}
+# A record stamped this far ahead of this agent's clock is taken as written now (ordinary skew between nodes);
+# further ahead, it is stale.
+FUTURE_TOLERANCE_SECONDS = 5.0
+# Far beyond any cluster Kubernetes supports (5,000 nodes; the largest managed ones 65,000): more is garbage.
+MAX_FLEET_NODES = 1_000_000
+
+
+def record_age(stamp: float, now: float) -> float:
+    """How old a record stamped `stamp` (another agent's wall clock) is to this agent, whose clock says `now`.
+    From the future beyond the tolerance it is infinitely old: a node whose clock runs ahead must not freeze
+    the fleet's recounts and verifications, nor keep a dead node's slot young, until its clock is reached."""
+    if stamp > now + FUTURE_TOLERANCE_SECONDS:
+        return math.inf
+    return max(0.0, now - stamp)
+
+
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} is {value!r}, not a finite number >= 0")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -90,19 +119,32 @@ class Fleet:
     recount_at: float = 0.0
 
     @classmethod
-    def parse(cls, raw: str | None) -> Fleet:
+    def validated(cls, raw: str | None) -> Fleet:
+        """The record with every value checked; ValueError says what is garbage. (json.loads takes NaN,
+        Infinity and 1e999, which is infinite, as numbers.)"""
         try:
             data = json.loads(raw or "{}")
-            nodes = data.get("nodes")
-            return cls(
-                int(nodes) if nodes is not None else None,
-                str(data.get("selector", "")),
-                float(data.get("counted_at", 0.0)),
-                float(data.get("verified_at", 0.0)),
-                str(data.get("recount_by", "")),
-                float(data.get("recount_at", 0.0)),
-            )
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        nodes = data.get("nodes")
+        if nodes is not None:
+            count = _finite(nodes, "nodes")
+            if count != int(count) or count > MAX_FLEET_NODES:
+                raise ValueError(f"nodes is {nodes!r}, not a node count")
+            nodes = int(count)
+        selector, recount_by = data.get("selector", ""), data.get("recount_by", "")
+        if not isinstance(selector, str) or not isinstance(recount_by, str):
+            raise ValueError("selector and recount_by must be strings")
+        stamps = [_finite(data.get(key, 0.0), key) for key in ("counted_at", "verified_at", "recount_at")]
+        return cls(nodes, selector, stamps[0], stamps[1], recount_by, stamps[2])
+
+    @classmethod
+    def parse(cls, raw: str | None) -> Fleet:
+        try:
+            return cls.validated(raw)
+        except ValueError:
             return cls()  # garbage: counted again
 
     def dump(self) -> str:
@@ -129,9 +171,10 @@ class _Read:
 
 
 def _acquired_at(raw: str) -> float:
+    """When the slot was taken; 0 (long ago: prunable once its node is not tainted) when that is garbage."""
     try:
-        return float(json.loads(raw).get("acquired_at", 0.0))
-    except (ValueError, AttributeError, TypeError):
+        return _finite(json.loads(raw).get("acquired_at", 0.0), "acquired_at")
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return 0.0
 
 
@@ -153,7 +196,7 @@ def apply_census(
     adopt tainted nodes without a slot. Pure."""
     kept: dict[str, str] = {}
     for node, raw in slots.items():
-        young = now - _acquired_at(raw) <= grace  # taken, the taint is on its way
+        young = record_age(_acquired_at(raw), now) <= grace  # taken, the taint is on its way
         if census.full and node not in census.nodes:
             continue  # gone, or out of the pool the budget counts
         if census.full and node not in census.tainted and not young:
@@ -189,6 +232,7 @@ class TaintBudget:
         self._clock = clock
         self._on_write = on_write
         self.attempts = 10
+        self._garbage_seen: str | None = None  # the garbage fleet record last logged
 
     # --- the ConfigMap -------------------------------------------------------------------------
 
@@ -196,8 +240,23 @@ class TaintBudget:
         body = self._api.get_configmap(self.namespace, self.name)
         if body is None:
             return _Read({}, Fleet(), None)
-        fleet = Fleet.parse((body["metadata"].get("annotations") or {}).get(self._fleet_key))
+        fleet = self._fleet((body["metadata"].get("annotations") or {}).get(self._fleet_key))
         return _Read(dict(body.get("data") or {}), fleet, body["metadata"]["resourceVersion"])
+
+    def _fleet(self, raw: str | None) -> Fleet:
+        """The fleet record, or none (so the nodes are counted again) when it is garbage; logged once."""
+        try:
+            return Fleet.validated(raw)
+        except ValueError as exc:
+            if raw != self._garbage_seen:
+                self._garbage_seen = raw
+                log.warning(
+                    "kubernetes: taint budget %s/%s: fleet record is garbage (%s); counting the nodes again",
+                    self.namespace,
+                    self.name,
+                    exc,
+                )
+            return Fleet()
 
     def peek(self, settings: BudgetSettings) -> BudgetResult | None:
         """A refusal read from the ConfigMap's metadata alone, when that is all there is to say: the slots are
@@ -206,14 +265,14 @@ class TaintBudget:
         if metadata is None:
             return None
         annotations = metadata.get("annotations") or {}
-        fleet = Fleet.parse(annotations.get(self._fleet_key))
+        fleet = self._fleet(annotations.get(self._fleet_key))
         try:
             used = int(annotations.get(self._slots_key, ""))
         except ValueError:
             return None
         now = self._clock()
         limit = self._limit(fleet, settings)
-        if self._count_due(fleet, settings, now) or used < limit or now - fleet.verified_at > settings.grace_seconds:
+        if self._count_due(fleet, settings, now) or used < limit or self._verify_due(fleet, settings, now):
             return None
         return BudgetResult(False, used, limit, fleet.nodes or 0)
 
@@ -258,7 +317,7 @@ class TaintBudget:
         now = self._clock()
         cleared = set()
         for node, raw in slots.items():
-            if node in tainted or now - _acquired_at(raw) <= settings.grace_seconds:
+            if node in tainted or record_age(_acquired_at(raw), now) <= settings.grace_seconds:
                 continue
             try:  # not labelled: gone, untainted, or tainted by a version that did not label
                 if not _blocking(self._api.get_node(node), settings.prefix):
@@ -270,11 +329,15 @@ class TaintBudget:
         return Census(now, False, frozenset(), tainted, frozenset(cleared))
 
     def _count_due(self, fleet: Fleet, settings: BudgetSettings, now: float) -> bool:
-        stale = now - fleet.counted_at > settings.recount_seconds
+        stale = record_age(fleet.counted_at, now) > settings.recount_seconds
         return fleet.nodes is None or fleet.selector != settings.selector or stale
 
+    def _verify_due(self, fleet: Fleet, settings: BudgetSettings, now: float) -> bool:
+        return record_age(fleet.verified_at, now) > settings.grace_seconds
+
     def _lease_free(self, fleet: Fleet, settings: BudgetSettings, now: float) -> bool:
-        return not fleet.recount_by or fleet.recount_by == self.node or now - fleet.recount_at > settings.lease_seconds
+        expired = record_age(fleet.recount_at, now) > settings.lease_seconds
+        return not fleet.recount_by or fleet.recount_by == self.node or expired
 
     # --- operations ----------------------------------------------------------------------------
 
@@ -310,7 +373,7 @@ class TaintBudget:
                     slots, fleet = apply_census(slots, fleet, census, settings.grace_seconds, now)
             limit = self._limit(fleet, settings)
             spent = len(slots) >= limit and not already_tainted
-            if spent and count is None and verification is None and now - fleet.verified_at > settings.grace_seconds:
+            if spent and count is None and verification is None and self._verify_due(fleet, settings, now):
                 verification = self._verify(slots, settings)
                 slots, fleet = apply_census(slots, fleet, verification, settings.grace_seconds, now)
                 spent = len(slots) >= limit

@@ -28,6 +28,7 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 # An object's metadata without its body (the API server's PartialObjectMetadata transformation).
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 ERROR_KINDS = ("unreachable", "timeout", "throttled", "server", "forbidden", "not_found", "conflict", "config", "other")
 
 
@@ -204,6 +205,14 @@ class KubeApi:
     def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         path = f"/api/v1/nodes/{quote(name, safe='')}/status"
         return self._call("PATCH", path, body=body, content_type=STRATEGIC_MERGE)
+
+    # pods: list (this node's, metadata only, from the API server's cache)
+    def list_node_pods_metadata(self, node: str) -> list[dict[str, Any]]:
+        """The metadata of the pods bound to `node` (spec.nodeName field selector, resourceVersion=0: served from
+        the watch cache, not etcd; no spec or status)."""
+        query = [("fieldSelector", f"spec.nodeName={node}"), ("resourceVersion", "0")]
+        answer = self._call("GET", "/api/v1/pods", query=query, accept=METADATA_LIST)
+        return [dict(item.get("metadata") or {}) for item in answer.get("items") or []]
 
     # events: create
     def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:

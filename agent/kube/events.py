@@ -8,7 +8,6 @@ timeouts, 5xx and an unreachable API keep it queued and back off on this queue o
 
 from __future__ import annotations
 
-import datetime
 import logging
 import random
 from collections import Counter, deque
@@ -17,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.kube.client import Backoff, KubeApi, classify, retry_after, short_error
-from agent.kube.policy import FindingEvent, clip
+from agent.kube.policy import MESSAGE_LIMIT, FindingEvent
+from agent.timestamps import rfc3339
+from probes.text import clip, escape
 
 log = logging.getLogger("agent.kube")
 
@@ -41,13 +42,15 @@ class EventQueue:
         self,
         node: str,
         clock: Callable[[], float],
+        monotonic: Callable[[], float],
         rng: random.Random,
         on_write: Callable[[str], None],
         backoff_initial: float,
         backoff_max: float,
     ) -> None:
         self.node = node
-        self._clock = clock
+        self._clock = clock  # the wall clock: an Event's timestamps
+        self._monotonic = monotonic  # its backoff, which no clock step may stretch
         self._rng = rng
         self._on_write = on_write
         self._queue: deque[QueuedEvent] = deque(maxlen=QUEUE_LIMIT)
@@ -64,7 +67,8 @@ class EventQueue:
     def add(self, reason: str, message: str, warning: bool) -> None:
         if len(self._queue) == self._queue.maxlen:
             self.dropped += 1  # the oldest goes: the API has been away for a long while
-        self._queue.append(QueuedEvent(reason, clip(message), warning, self._clock()))
+        # Every Event the agent makes passes here: escaped (probes/text.py) whatever built its message.
+        self._queue.append(QueuedEvent(reason, clip(escape(message), MESSAGE_LIMIT), warning, self._clock()))
 
     def add_findings(self, events: tuple[FindingEvent, ...]) -> None:
         """One Event per distinct finding event; one that leaves the snapshot and comes back is a new one."""
@@ -84,7 +88,7 @@ class EventQueue:
 
     def flush(self, api: KubeApi, namespace: str) -> None:
         """Send what is queued, unless this queue is backing off. Never raises."""
-        now = self._clock()
+        now = self._monotonic()
         if now < self.retry_at:
             return
         while self._queue:
@@ -110,7 +114,7 @@ class EventQueue:
             self._on_write(f"{event.reason}: {event.message}")
 
     def _body(self, event: QueuedEvent, namespace: str) -> dict[str, Any]:
-        stamp = datetime.datetime.fromtimestamp(event.at, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = rfc3339(event.at)
         return {
             "apiVersion": "v1",
             "kind": "Event",

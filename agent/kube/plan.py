@@ -19,20 +19,21 @@ from agent.config import KubernetesConfig
 from agent.kube.policy import (
     BLOCKING_EFFECTS,
     DETAILS,
+    MESSAGE_LIMIT,
     ConditionIntent,
     Desired,
-    clip,
     desired_state,
     ready_label_key,
-    rfc3339,
     taint_key,
     tainted_label_key,
 )
-from agent.state import WARMING_UP, Snapshot
+from agent.reasons import WARMING_UP
+from agent.snapshot import Snapshot
+from agent.timestamps import rfc3339
 from probes.base import CATEGORIES
+from probes.text import clip
 
 TAINT_SUPPRESSED = "TaintSuppressedByBudget"
-CONDITION_TYPES = frozenset(category.condition_type for category in CATEGORIES.values())
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,10 @@ def _suppressed_intent(
     """False with the failing reason; the head of the message says the taint was withheld, and why. The slot
     counts change while nothing else does: they go after the summary, with the measured details."""
     why = "the cluster taint budget is being counted" if slot.counting else "the cluster taint budget is spent"
-    summary = clip(f"taint {taint_key(policy.key_prefix, intent.category)}={reason} withheld: {why}; {intent.summary}")
+    summary = clip(
+        f"taint {taint_key(policy.key_prefix, intent.category)}={reason} withheld: {why}; {intent.summary}",
+        MESSAGE_LIMIT,
+    )
     details = intent.message[len(intent.summary) :].removeprefix(DETAILS)
     if not slot.counting:
         details = f"{slot.used} of {slot.limit} slots taken" + (f"; {details}" if details else "")
@@ -221,7 +225,7 @@ def _suppressed_intent(
         intent.status,
         intent.reason,
         summary,
-        clip(f"{summary}{DETAILS}{details}" if details else summary),
+        clip(f"{summary}{DETAILS}{details}" if details else summary, MESSAGE_LIMIT),
     )
 
 
@@ -248,7 +252,7 @@ def _plan_conditions(
             continue  # a previous run's condition stands until this run has results
         if intent.category in suppressed:
             intent = _suppressed_intent(intent, policy, suppressed[intent.category], slot)
-        status, reason = ("Unknown", WARMING_UP) if intent.action == "hold" else (intent.status, intent.reason)
+        status, reason = ("Unknown", WARMING_UP.code) if intent.action == "hold" else (intent.status, intent.reason)
         changed = (
             old is None
             or old.get("status") != status
@@ -271,7 +275,7 @@ def _plan_conditions(
         if changed and not (old is None and status != "False"):  # a condition appearing healthy is no news
             before = old.get("status") if old else "absent"
             event_reason = TAINT_SUPPRESSED if intent.category in suppressed else reason
-            text = clip(f"{intent.type}: {before} -> {status}: {intent.message}")
+            text = clip(f"{intent.type}: {before} -> {status}: {intent.message}", MESSAGE_LIMIT)
             events.append(PlannedEvent(event_reason, text, status == "False"))
     if not items:
         return None, "", ()
@@ -297,9 +301,8 @@ def plan_cleanup(node: Mapping[str, Any], prefix: str) -> CleanupPlan:
     current = list((node.get("spec") or {}).get("taints") or [])
     mine = [t for t in current if str(t.get("key", "")).startswith(prefix + "/")]
     labels = sorted(k for k in (metadata.get("labels") or {}) if k.startswith(prefix + "/"))
-    conditions = [
-        c.get("type") for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") in CONDITION_TYPES
-    ]
+    ours = {category.condition_type for category in CATEGORIES.values()}
+    conditions = [c.get("type") for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") in ours]
     node_patch: dict[str, Any] | None = None
     if mine or labels:
         node_patch = {"metadata": {"resourceVersion": metadata.get("resourceVersion")}}

@@ -12,19 +12,20 @@ reason there is no verdict (WarmingUp, Stale, ProbeTimeout...).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from agent.config import KubernetesConfig
-from agent.state import STALE, WARMING_UP, CheckState, Snapshot, matches_any
+from agent.ready import matches_any
+from agent.reasons import NO_FRESH_RESULT, STALE, WARMING_UP
+from agent.snapshot import CheckState, Snapshot
 from probes.base import CATEGORIES, Finding, Status
+from probes.text import clip
 
 BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
 # Stronger first: the category's single taint takes the strongest effect its problems ask for.
 EFFECT_RANK = {"NoExecute": 0, "NoSchedule": 1, "PreferNoSchedule": 2}
-NO_FRESH_RESULT = frozenset({WARMING_UP, STALE})
 HEALTHY = "Healthy"
 MESSAGE_LIMIT = 1024
 # The head of a condition message that says which problems the condition has: a change of it is a change of
@@ -103,14 +104,6 @@ def effect_for(finding: Finding, policy: KubernetesConfig) -> str:
     return policy.effects.get(finding.reason, policy.default_effect)
 
 
-def rfc3339(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
-def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _ignored(finding: Finding, policy: KubernetesConfig) -> bool:
     return finding.reason in policy.disabled_reasons or matches_any(finding.check, policy.disabled_checks)
 
@@ -152,7 +145,7 @@ def _condition(
     action: Literal["set", "hold"] = "set",
 ) -> ConditionIntent:
     summary = clip("; ".join(p for p in summary_parts if p), SUMMARY_LIMIT)
-    message = clip(f"{summary}{DETAILS}{details}" if details else summary)
+    message = clip(f"{summary}{DETAILS}{details}" if details else summary, MESSAGE_LIMIT)
     return ConditionIntent(category, CATEGORIES[category].condition_type, action, status, reason, summary, message)
 
 
@@ -185,7 +178,9 @@ def _taint_intent(
     )
     if tainting:
         worst = tainting[0].finding
-        return TaintIntent(category, "set", worst.reason, effect_for(worst, policy), clip(_details(tainting)))
+        return TaintIntent(
+            category, "set", worst.reason, effect_for(worst, policy), clip(_details(tainting), MESSAGE_LIMIT)
+        )
     if any(s.finding.reason in NO_FRESH_RESULT for s in unknown):
         return TaintIntent(category, "hold")  # taints of a previous run stay until fresh results decide
     return TaintIntent(category, "none")
@@ -204,10 +199,10 @@ def _condition_intent(
         return _condition(
             category, failing[0].finding.reason, "False", [_named("fail", failing), warned], _details(failing, False)
         )
-    if unknown and all(s.finding.reason == WARMING_UP for s in unknown):
-        return _condition(category, WARMING_UP, "Unknown", [_named("unknown", unknown)], "", action="hold")
+    if unknown and all(s.finding.reason == WARMING_UP.code for s in unknown):
+        return _condition(category, WARMING_UP.code, "Unknown", [_named("unknown", unknown)], "", action="hold")
     if unknown:
-        first = sorted(unknown, key=lambda s: (s.finding.reason != STALE, s.finding.reason))[0]
+        first = sorted(unknown, key=lambda s: (s.finding.reason != STALE.code, s.finding.reason))[0]
         return _condition(
             category, first.finding.reason, "Unknown", [_named("unknown", unknown), warned], _details(unknown, False)
         )

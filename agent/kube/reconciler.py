@@ -13,6 +13,8 @@ Reads the same immutable health snapshot HTTP and metrics read; never runs a pro
   previous run left until fresh results decide (see policy's "hold").
 - Resilience: API errors back off exponentially with jitter; Events have their own queue and backoff
   (`agent.kube.events`), so an Event the API refuses never holds back a taint.
+- Clocks: every retry, heartbeat and backoff runs on the monotonic clock (`monotonic`), which no clock step
+  moves; the wall clock (`clock`) only stamps what is written out (conditions, events, budget records).
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from agent.kube.client import (
 )
 from agent.kube.events import EventQueue
 from agent.kube.plan import Plan, SlotView, plan_desired
-from agent.kube.policy import Desired, desired_state, rfc3339
+from agent.kube.pods import NodePods
+from agent.kube.policy import Desired, desired_state
 from agent.kube.report import status_document, status_samples
-from agent.state import Snapshot
+from agent.snapshot import Snapshot
+from agent.timestamps import rfc3339
 
 log = logging.getLogger("agent.kube")
 
@@ -58,6 +62,7 @@ class KubeAgent:
         api_client: kubernetes.client.ApiClient | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         self._config = config
@@ -66,6 +71,7 @@ class KubeAgent:
         self._client = api_client
         self._owns_client = api_client is None
         self._clock = clock
+        self._monotonic = monotonic
         self._rng = rng or random.Random()
         self._lock = threading.Lock()  # counters and status
         self._pass_lock = threading.Lock()  # one reconcile at a time
@@ -90,6 +96,7 @@ class KubeAgent:
         self.events = EventQueue(
             node_name,
             clock,
+            monotonic,
             self._rng,
             lambda what: self._wrote("event", what),
             policy.backoff_initial_seconds,
@@ -99,6 +106,8 @@ class KubeAgent:
         self.writes: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.recent_writes: deque[dict[str, Any]] = deque(maxlen=20)
+        # The node's pods for the npu and gpu checks against the device plugin's ledger (its own thread).
+        self.pods = NodePods(self._api, node_name)
         self.would_write: list[dict[str, Any]] = []
         self._last_would_logged: list[str] = []
         self.last_error = ""
@@ -117,9 +126,11 @@ class KubeAgent:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kube-reconciler", daemon=True)
         self._thread.start()
+        self.pods.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self.pods.stop(min(timeout, 2.0))
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -144,7 +155,7 @@ class KubeAgent:
 
     def step(self) -> None:
         """What the thread does each poll: a pass unless the API backoff says wait."""
-        if self._clock() >= self._retry_at:
+        if self._monotonic() >= self._retry_at:
             self._attempt()
 
     def _run(self) -> None:
@@ -170,7 +181,7 @@ class KubeAgent:
         with self._lock:
             self.errors[kind] += 1
             self._dirty = True
-            self._retry_at = self._clock() + delay
+            self._retry_at = self._monotonic() + delay
             self.last_error = f"{kind}: {short_error(exc)}"
         if kind == "other":
             log.warning("kubernetes: unexpected error, retrying in %.1fs", delay, exc_info=exc)
@@ -217,21 +228,21 @@ class KubeAgent:
         policy = self._config.kubernetes
         if not policy.enabled:
             return
-        now = self._clock()
+        now, tick = self._clock(), self._monotonic()
         desired = desired_state(self._snapshot(), policy)
         self.events.add_findings(desired.events)
         fingerprint = desired.fingerprint()
         changed = self._dirty or fingerprint != self._applied
-        heartbeat = now >= self._next_heartbeat
-        budget_due = bool(self._suppressed) and now >= self._budget_retry_at
+        heartbeat = tick >= self._next_heartbeat
+        budget_due = bool(self._suppressed) and tick >= self._budget_retry_at
         # A node waiting for a slot asks the budget first: one GET, and reads the Node only when granted.
-        granted = budget_due and not (changed or heartbeat) and self._slot_granted(policy, now)
+        granted = budget_due and not (changed or heartbeat) and self._slot_granted(policy)
         if changed or heartbeat or granted:
             self._reconcile(desired, policy, now, heartbeat)
             self._applied = fingerprint
             self._dirty = False
             if heartbeat:
-                self._next_heartbeat = now + policy.heartbeat_seconds
+                self._next_heartbeat = tick + policy.heartbeat_seconds
         self._log_would_writes(policy)
         if policy.dry_run:
             for event in self.events.pending():
@@ -246,9 +257,9 @@ class KubeAgent:
         node = api.get_node(self.node)
         plan = Plan()
         for attempt in range(policy.conflict_retries + 1):
-            plan = plan_desired(desired, node, policy, now=now, slot=self._slot_view(now), heartbeat=heartbeat)
+            plan = plan_desired(desired, node, policy, now=now, slot=self._slot_view(), heartbeat=heartbeat)
             if plan.slot_request:
-                view = self._ask_budget(policy, plan.blocking_taints, plan.slot_request == "register", now)
+                view = self._ask_budget(policy, plan.blocking_taints, plan.slot_request == "register")
                 plan = plan_desired(desired, node, policy, now=now, slot=view, heartbeat=heartbeat)
             if plan.node_patch is None:
                 break
@@ -296,18 +307,18 @@ class KubeAgent:
 
     # --- the budget ----------------------------------------------------------------------------
 
-    def _slot_granted(self, policy: KubernetesConfig, now: float) -> bool:
-        return self._ask_budget(policy, self._wanted_taints, False, now).state == "held"
+    def _slot_granted(self, policy: KubernetesConfig) -> bool:
+        return self._ask_budget(policy, self._wanted_taints, False).state == "held"
 
-    def _slot_view(self, now: float) -> SlotView:
+    def _slot_view(self) -> SlotView:
         if self._slot_held:
             return SlotView("held")
         denied = self._denied
-        if denied is not None and now < self._budget_retry_at:
+        if denied is not None and self._monotonic() < self._budget_retry_at:
             return SlotView("denied", denied.used, denied.limit, denied.counting)
         return SlotView("unknown" if self._slot_held is None else "free")
 
-    def _ask_budget(self, policy: KubernetesConfig, taints: str, already_tainted: bool, now: float) -> SlotView:
+    def _ask_budget(self, policy: KubernetesConfig, taints: str, already_tainted: bool) -> SlotView:
         budget = self._budget(policy)
         settings = BudgetSettings.from_policy(policy)
         if policy.dry_run:
@@ -326,7 +337,7 @@ class KubeAgent:
         self._slot_held = False
         self._denied = result
         delay = self._budget_backoff.next_delay()
-        self._budget_retry_at = now + delay
+        self._budget_retry_at = self._monotonic() + delay
         log.warning(
             "kubernetes: taint budget spent (%d of %d slots taken): not tainting for %s; asking again in %.0fs",
             result.used,
@@ -349,7 +360,9 @@ class KubeAgent:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            return status_document(self, self._config.kubernetes, self._budget_view())
+            document = status_document(self, self._config.kubernetes, self._budget_view())
+        document["node_pods"] = self.pods.status()
+        return document
 
     def samples(self) -> list[Any]:
         with self._lock:
@@ -363,7 +376,7 @@ class KubeAgent:
             "used": seen.used if seen else None,
             "limit": seen.limit if seen else None,
             "suppressed": dict(self._suppressed),
-            "next_request_in_seconds": round(max(0.0, self._budget_retry_at - self._clock()), 1)
+            "next_request_in_seconds": round(max(0.0, self._budget_retry_at - self._monotonic()), 1)
             if self._suppressed
             else None,
         }
@@ -378,4 +391,4 @@ class KubeAgent:
 
     @property
     def backoff_seconds(self) -> float:
-        return round(max(0.0, self._retry_at - self._clock()), 3) if self._retry_at else 0.0
+        return round(max(0.0, self._retry_at - self._monotonic()), 3) if self._retry_at else 0.0

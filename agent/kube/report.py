@@ -8,7 +8,8 @@ from typing import Any, Protocol
 from agent.config import KubernetesConfig
 from agent.kube.client import ERROR_KINDS
 from agent.kube.events import EventQueue
-from agent.kube.policy import rfc3339, taint_key
+from agent.kube.policy import taint_key
+from agent.timestamps import rfc3339
 from probes.base import Sample
 
 WRITE_KINDS = ("node", "node_status", "event", "budget")

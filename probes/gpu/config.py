@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool
 
-from probes.base import PositiveSeconds, Section
+from probes.family import PositiveSeconds, Section
 
 
 class GpuConfig(Section):
@@ -46,6 +46,9 @@ class GpuConfig(Section):
     shared_ok: StrictBool | list[Annotated[int, Field(ge=0)]] = False
     # MPS servers (fnmatch on the executable's base name) hold a GPU for their clients: one holder together.
     mps_server_commands: list[str] = ["nvidia-cuda-mps-server"]
+
+    # Status of a GPU the device plugin no longer offers (DevicePluginUnhealthy): the plugin keeps jobs off it.
+    device_plugin_unhealthy_status: Literal["warn", "fail"] = "warn"
 
     def sharing_allowed(self, index: int) -> bool:
         return self.shared_ok is True or (isinstance(self.shared_ok, list) and index in self.shared_ok)

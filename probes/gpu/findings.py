@@ -249,7 +249,8 @@ def throttle_finding(gpu: GpuState, cfg: GpuConfig) -> Finding:
 # --- memory ----------------------------------------------------------------------------------------
 
 
-def memory_finding(gpu: GpuState, cfg: GpuConfig, holder_pids: set[int] | None) -> Finding:
+def memory_finding(gpu: GpuState, cfg: GpuConfig, holder_pids: set[int] | None, ledger_note: str = "") -> Finding:
+    """`ledger_note`: where the device plugin's ledger has the GPU (free, or the pod), for the leak message."""
     unsupported, errors = _queried(gpu, ("memory_info", "compute_processes", "graphics_processes"))
     if gpu.memory_free_bytes is None or gpu.memory_used_bytes is None:
         observed: dict[str, Any] = {"not_supported": unsupported, "errors": errors}
@@ -268,7 +269,8 @@ def memory_finding(gpu: GpuState, cfg: GpuConfig, holder_pids: set[int] | None) 
         problems.append(
             Problem(
                 GPU_MEMORY_LEAKED,
-                f"{used_mib} MiB of framebuffer in use with no process on the GPU",
+                f"{used_mib} MiB of framebuffer in use with no process on the GPU"
+                + (f" ({ledger_note})" if ledger_note else ""),
                 f"memory was not released (a killed job's context, or a process NVML cannot see): reset the GPU "
                 f"(nvidia-smi -r -i {gpu.index}) or reboot the node",
             )

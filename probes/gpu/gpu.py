@@ -1,7 +1,8 @@
 """gpu.health, gpu.throttle, gpu.memory, gpu.holders: NVIDIA GPUs through NVML, nvidia-smi as the fallback.
 
 One run reads every GPU once (probes/gpu/backends.py: one NVML pass, or `nvidia-smi -q` plus one CSV query),
-then scans /proc/*/fd for holders of /dev/nvidiaN. NVML calls run in this probe's thread: a wedged GPU can block
+then scans /proc/*/fd for holders of /dev/nvidiaN while a child reads the device plugin's ledger (gpu.ledger,
+probes/gpu/ledger_findings.py). NVML calls run in this probe's thread: a wedged GPU can block
 one for a long time, and the scheduler's probe timeout is what bounds the run (docs/probes/gpu.md, Backends).
 
 Every finding about one GPU carries its UUID and its MIG devices' UUIDs in observed["device_ids"], so
@@ -29,6 +30,7 @@ from probes.gpu.backends import Tools, Unavailable, find_tools, read_inventory
 from probes.gpu.config import GpuConfig
 from probes.gpu.findings import health_finding, memory_finding, missing_findings, throttle_finding
 from probes.gpu.holder_findings import holder_finding, holders_of, out_of_band_holders, scan_gpu_holders
+from probes.gpu.ledger_findings import gpu_ledger, ledger_findings, ledger_note, ledger_verdict
 from probes.gpu.metrics import gpu_samples
 from probes.gpu.model import GpuInventory
 from probes.gpu.reasons import (
@@ -40,6 +42,7 @@ from probes.gpu.reasons import (
     REASONS,
 )
 from probes.runtime.holders import PodNames
+from probes.runtime.podresources.client import ledger_source
 
 NO_DRIVER = "no NVIDIA driver on this host"
 _DEVICE_NODE = re.compile(r"^nvidia(\d+)$")
@@ -103,16 +106,22 @@ class GpuProbe(Probe):
             self._pod_names = PodNames(ctx.host.root)
         findings: list[Finding] = list(missing_findings(inventory, minors, cfg.expected_gpus))
         samples: list[Sample] = []
+        # The device plugin's ledger is read in a child while the holder scan runs.
+        pending = ledger_source(ctx.kubelet.socket).start(ctx.kubelet.timeout)
         scan = scan_gpu_holders(ctx, cfg, inventory.gpus, self._pod_names)
+        view = gpu_ledger(pending.result(ctx.deadline - 0.5), inventory.gpus, ctx.kubelet.pods)
         for gpu in inventory.gpus:
             holders = holders_of(gpu, scan)
+            verdict = ledger_verdict(view, gpu, holders, cfg.mps_server_commands)
             findings.append(health_finding(gpu, cfg))
             findings.append(throttle_finding(gpu, cfg))
-            findings.append(memory_finding(gpu, cfg, {h.pid for h in holders}))
-            findings.append(holder_finding(gpu, holders, scan, cfg, ctx.redact_cmdlines))
+            findings.append(memory_finding(gpu, cfg, {h.pid for h in holders}, ledger_note(view, gpu)))
+            findings.append(holder_finding(gpu, holders, scan, cfg, ctx.redact_cmdlines, verdict))
             # A partial scan gives a lower bound: worth a sample once it is above zero.
             out_of_band = len(out_of_band_holders(holders, cfg))
-            samples.extend(gpu_samples(gpu, out_of_band if scan.complete or out_of_band else None))
+            allocations = view.allocations(gpu.index) if view.read.ok else None
+            samples.extend(gpu_samples(gpu, out_of_band if scan.complete or out_of_band else None, allocations))
+        findings.extend(ledger_findings(view, inventory.gpus, findings, cfg.device_plugin_unhealthy_status))
         samples.append(
             Sample(
                 "nodehealth_gpu_devices",

@@ -11,10 +11,16 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from probes.base import Finding, ProbeContext
+from probes.base import Finding, ProbeContext, Reason
 from probes.gpu.config import GpuConfig
 from probes.gpu.model import GpuState
-from probes.gpu.reasons import GPU_HELD_OUT_OF_BAND, GPU_HOLDER_SCAN_FAILED, GPU_SHARED_BY_PODS, HOLDERS
+from probes.gpu.reasons import (
+    GPU_HELD_OUT_OF_BAND,
+    GPU_HELD_OUTSIDE_ALLOCATION,
+    GPU_HOLDER_SCAN_FAILED,
+    GPU_SHARED_BY_PODS,
+    HOLDERS,
+)
 from probes.runtime.holders import (
     Holder,
     HolderScan,
@@ -27,6 +33,7 @@ from probes.runtime.holders import (
     scan_devices,
     stop_hint,
 )
+from probes.runtime.podresources.compare import DeviceVerdict, outside_message
 
 
 def gpu_node(gpu: GpuState) -> str:
@@ -63,12 +70,22 @@ def out_of_band_holders(holders: Sequence[Holder], cfg: GpuConfig) -> list[Holde
     return [h for h in holders if not h.in_pod and not matches_command(h.info, cfg.allowed_holders)]
 
 
-def holder_finding(gpu: GpuState, holders: list[Holder], scan: HolderScan, cfg: GpuConfig, redact: bool) -> Finding:
+def holder_finding(
+    gpu: GpuState,
+    holders: list[Holder],
+    scan: HolderScan,
+    cfg: GpuConfig,
+    redact: bool,
+    verdict: DeviceVerdict | None = None,
+) -> Finding:
+    """`verdict`: the device plugin ledger's (gpu.ledger), when it was read."""
     out_of_band = out_of_band_holders(holders, cfg)
     allowed = [h for h in holders if not h.in_pod and h not in out_of_band]
     in_pods = [h for h in holders if h.in_pod]
     tenants = tenants_of(in_pods, cfg.mps_server_commands)
-    shared = len(tenants) >= 2 and not cfg.sharing_allowed(gpu.index)
+    outside_allocation = verdict is not None and verdict.held_outside
+    by_design = verdict is not None and bool(verdict.shared_by_design)
+    shared = len(tenants) >= 2 and not cfg.sharing_allowed(gpu.index) and not by_design and not outside_allocation
     observed: dict[str, Any] = {
         **scan.observed(),
         "out_of_band": [h.to_dict(redact) for h in out_of_band[:10]],
@@ -76,32 +93,44 @@ def holder_finding(gpu: GpuState, holders: list[Holder], scan: HolderScan, cfg: 
         "allowed": [h.to_dict(redact) for h in allowed[:10]],
         "pods": len(tenants),
         "sharing_allowed": cfg.sharing_allowed(gpu.index),
+        **(verdict.observed() if verdict is not None else {}),
     }
-    problems: list[tuple[str, str]] = []
+    problems: list[tuple[Reason, str, str]] = []  # in order of precedence: the first one's reason leads
     if out_of_band:
         problems.append(
             (
+                GPU_HELD_OUT_OF_BAND,
                 f"{gpu.subject} is held outside Kubernetes by {describe_holders(out_of_band, redact)}",
                 "pods placed here fail with 'CUDA-capable device(s) is/are busy or unavailable' or run out of "
                 f"memory: {stop_hint(out_of_band)}; or run it as a pod",
+            )
+        )
+    if outside_allocation and verdict is not None:
+        wrong = [members[0] for _, members in verdict.outside]
+        problems.append(
+            (
+                GPU_HELD_OUTSIDE_ALLOCATION,
+                outside_message(gpu.subject, verdict, redact),
+                f"delete the pod that holds it without an allocation ({stop_hint(wrong)}): the next job the device "
+                "plugin gives the GPU to finds it busy",
             )
         )
     if shared:
         firsts = [members[0] for members in tenants.values()]
         problems.append(
             (
+                GPU_SHARED_BY_PODS,
                 f"{gpu.subject} is held by {len(tenants)} pods: {describe_tenants(tenants, redact)}",
                 f"two jobs share one GPU: delete one of the pods ({stop_hint(firsts)}); if the GPU is shared on "
                 f"purpose (time-slicing, MPS), set gpu.shared_ok: true or list index {gpu.index} in it",
             )
         )
     if problems:
-        reason = GPU_HELD_OUT_OF_BAND if out_of_band else GPU_SHARED_BY_PODS
-        if out_of_band and shared:
-            observed["reasons"] = [GPU_HELD_OUT_OF_BAND.code, GPU_SHARED_BY_PODS.code]
-        message = "; ".join(message for message, _ in problems)
-        hint = "; ".join(hint for _, hint in problems)
-        return HOLDERS.report(reason, gpu.subject, message, observed, hint=hint, device=gpu.index)
+        if len(problems) >= 2:
+            observed["reasons"] = [reason.code for reason, _, _ in problems]
+        message = "; ".join(message for _, message, _ in problems)
+        hint = "; ".join(hint for _, _, hint in problems)
+        return HOLDERS.report(problems[0][0], gpu.subject, message, observed, hint=hint, device=gpu.index)
     if not scan.complete:
         message = f"{gpu.subject}: could not see every holder: {scan.shortfall()}; none outside a pod among the rest"
         return HOLDERS.report(GPU_HOLDER_SCAN_FAILED, gpu.subject, message, observed, device=gpu.index)

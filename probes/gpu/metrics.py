@@ -1,4 +1,8 @@
-"""The gpu probe's metric samples: per GPU, labelled gpu (index), uuid, name and pci_bus_id.
+"""The gpu probe's metric samples: per GPU, labelled gpu (index), UUID, name, pci_bus_id and the pod.
+
+`UUID` and `pci_bus_id` are dcgm-exporter's names and forms for the same things, so its series join without
+label_replace; `pod`, `namespace` and `container` name the container the device plugin's ledger allocated the GPU
+to, as dcgm-exporter labels them (empty when the GPU is free, shared by several pods, or the ledger was not read).
 
 A value a GPU does not report (unsupported, N/A) produces no sample rather than a zero.
 """
@@ -9,14 +13,22 @@ from typing import Literal
 
 from probes.base import Sample
 from probes.gpu.model import CLOCK_EVENT_BITS, GpuState
+from probes.runtime.podresources.ledger import (
+    ALLOCATED_HELP,
+    ALLOCATED_METRIC,
+    Allocation,
+    allocated_labels,
+    pod_labels,
+)
 
 _ECC_HELP = "ECC errors (volatile: since the driver loaded; aggregate: over the GPU's life)."
 
 
 class _Samples:
-    def __init__(self, gpu: GpuState) -> None:
-        # pci_bus_id and uuid as NVML gives them: the series join with dcgm-exporter's by bus id or UUID.
-        self.labels = {"gpu": str(gpu.index), "uuid": gpu.uuid, "name": gpu.name, "pci_bus_id": gpu.bus_id}
+    def __init__(self, gpu: GpuState, allocations: list[Allocation]) -> None:
+        # pci_bus_id and UUID as NVML gives them: the series join with dcgm-exporter's by bus id or UUID.
+        device = {"gpu": str(gpu.index), "UUID": gpu.uuid, "name": gpu.name, "pci_bus_id": gpu.bus_id}
+        self.labels = {**device, **pod_labels(allocations)}
         self.out: list[Sample] = []
 
     def add(
@@ -31,8 +43,12 @@ class _Samples:
             self.out.append(Sample(name, help_text, float(value), {**self.labels, **extra}, kind))
 
 
-def gpu_samples(gpu: GpuState, out_of_band: int | None) -> list[Sample]:
-    samples = _Samples(gpu)
+def gpu_samples(gpu: GpuState, out_of_band: int | None, allocations: list[Allocation] | None = None) -> list[Sample]:
+    """`allocations`: the ledger's for this GPU, None when it was not read (no nodehealth_device_allocated)."""
+    samples = _Samples(gpu, allocations or [])
+    if allocations is not None:
+        count, resource = allocated_labels(allocations)
+        samples.out.append(Sample(ALLOCATED_METRIC, ALLOCATED_HELP, count, {**samples.labels, **resource}))
     _error_samples(gpu, samples)
     add = samples.add
     if gpu.recovery_action is not None:

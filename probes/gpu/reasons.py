@@ -8,7 +8,8 @@ HEALTH = Check("gpu.health")
 THROTTLE = Check("gpu.throttle")
 MEMORY = Check("gpu.memory")
 HOLDERS = Check("gpu.holders")
-CHECKS = (HEALTH, THROTTLE, MEMORY, HOLDERS)
+LEDGER = Check("gpu.ledger")
+CHECKS = (HEALTH, THROTTLE, MEMORY, HOLDERS, LEDGER)
 
 GPU_ECC_UNCORRECTABLE = Reason(
     "GpuEccUncorrectable",
@@ -113,6 +114,31 @@ GPU_TOOL_MISSING = Reason(
     "point gpu.nvml_library, gpu.smi_command or gpu.driver_root at the driver (GPU Operator: /run/nvidia/driver, "
     "mounted from the host)",
 )
+GPU_HELD_OUTSIDE_ALLOCATION = Reason(
+    "GpuHeldOutsideAllocation",
+    Status.FAIL,
+    "a pod holds the GPU although the device plugin's ledger (the kubelet's PodResources API) allocated it to no "
+    "pod, or to another pod (both are named); time-slicing and MPS replicas (GPU-<uuid>::N) and MIG are followed",
+    "delete the pod that holds the GPU without an allocation (a privileged debug pod, a job a second scheduler "
+    "placed without the device plugin): the next job the plugin gives the GPU to finds it busy",
+)
+GPU_DEVICE_PLUGIN_UNHEALTHY = Reason(
+    "DevicePluginUnhealthy",
+    Status.WARN,
+    "the device plugin no longer offers the GPU (absent from the kubelet's GetAllocatableResources: it marked it "
+    "unhealthy), shown beside the agent's own verdict on the GPU; the status is gpu.device_plugin_unhealthy_status",
+    "the plugin keeps jobs off the GPU already: if the agent finds the GPU healthy, read the device plugin's log "
+    "(an XID it counts as fatal, a restart); if both find it unhealthy, drain the node and reset the GPU",
+    also=(Status.FAIL,),
+)
+GPU_POD_RESOURCES_UNAVAILABLE = Reason(
+    "PodResourcesUnavailable",
+    Status.UNKNOWN,
+    "the kubelet's PodResources API did not answer within kubernetes.pod_resources_timeout_seconds, answered an "
+    "error (UNAVAILABLE, RESOURCE_EXHAUSTED) or sent what is not a ledger; the holder checks stand without it",
+    "check the kubelet (`systemctl status kubelet`), the socket kubernetes.pod_resources_socket and the DaemonSet's "
+    "pod-resources mount; the message names the error",
+)
 
 REASONS = (
     GPU_ECC_UNCORRECTABLE,
@@ -130,4 +156,7 @@ REASONS = (
     GPU_HOLDER_SCAN_FAILED,
     GPU_DRIVER_UNAVAILABLE,
     GPU_TOOL_MISSING,
+    GPU_HELD_OUTSIDE_ALLOCATION,
+    GPU_DEVICE_PLUGIN_UNHEALTHY,
+    GPU_POD_RESOURCES_UNAVAILABLE,
 )

@@ -5,7 +5,7 @@ Its config section also says where the host's /proc, /sys, /dev and root are.
 
 from __future__ import annotations
 
-from probes.base import Family, register_family
+from probes.family import Family, register_family
 from probes.host.config import HostConfig
 
 FAMILY = register_family(

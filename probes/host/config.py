@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from probes.base import Percent, Section
+from probes.family import Percent, Section
 from probes.runtime.paths import HostPaths
 
 

@@ -38,9 +38,15 @@ HOST_MEMORY_LOW = Reason(
     Status.FAIL,
     "MemAvailable below host.memory.min_available_mib / min_available_percent, or free hugepages below "
     "host.memory.min_free_hugepages: pinned host buffers fail to allocate (error 207001)",
-    "find the processes using memory (ps aux --sort=-rss | head) and stop leftovers of earlier jobs",
+    "find the processes using memory (ps aux --sort=-rss | head) and stop leftovers of earlier jobs; when shared "
+    "memory holds it (Shmem: tmpfs and /dev/shm files, which no process shows) the finding says so and how to "
+    "find the files (df -h -t tmpfs, du -ah /dev/shm | sort -h | tail)",
 )
 HUGEPAGES_HINT = "hugepages are held by a previous job or are not reserved: check /proc/meminfo and vm.nr_hugepages"
+# Shared memory (Shmem: tmpfs files, /dev/shm segments, shared anonymous mappings) this large, and this share of
+# the memory in use, is named in HostMemoryLow: no process's RSS shows a file left on a tmpfs.
+SHMEM_NOTABLE_BYTES = 256 * MIB
+SHMEM_NOTABLE_SHARE = 0.10
 MEMINFO_UNREADABLE = Reason(
     "MeminfoUnreadable",
     Status.UNKNOWN,
@@ -83,22 +89,48 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return values
 
 
-def memory_finding(meminfo: dict[str, int], settings: HostMemoryConfig) -> Finding:
+def memory_finding(meminfo: dict[str, int], settings: HostMemoryConfig, shm: tuple[str, int] | None = None) -> Finding:
+    """MemAvailable against the thresholds. `shm`: the shared-memory filesystem's path and bytes used, to name
+    it when shared memory holds the memory."""
     total = meminfo["MemTotal"]
     available = meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
     percent = 100.0 * available / total if total else 0.0
+    shmem = meminfo.get("Shmem", 0)
     observed = {
         OBSERVED_HOST_MEM_AVAILABLE_MIB: round(available / MIB),
         "total_mib": round(total / MIB),
         "available_percent": round(percent, 1),
+        "shmem_mib": round(shmem / MIB),
     }
     if available < settings.min_available_mib * MIB or percent < settings.min_available_percent:
         message = (
             f"only {available / MIB:.0f} MiB of {total / MIB:.0f} MiB host memory available ({percent:.1f}%), "
             f"below {settings.min_available_mib:g} MiB / {settings.min_available_percent:g}%"
         )
-        return MEMORY.report(HOST_MEMORY_LOW, "", message, observed)
+        if not shmem_holds_memory(shmem, total - available):
+            return MEMORY.report(HOST_MEMORY_LOW, "", message, observed)
+        message += (
+            f"; {shmem / MIB:.0f} MiB of it is shared memory (Shmem: tmpfs and /dev/shm files), which ps does not show"
+        )
+        return MEMORY.report(HOST_MEMORY_LOW, "", message, observed, hint=shmem_hint(shmem, shm))
     return MEMORY.ok("", f"{available / MIB:.0f} MiB available ({percent:.1f}%)", observed)
+
+
+def shmem_holds_memory(shmem: int, used: int) -> bool:
+    return shmem >= SHMEM_NOTABLE_BYTES and shmem >= SHMEM_NOTABLE_SHARE * used
+
+
+def shmem_hint(shmem: int, shm: tuple[str, int] | None) -> str:
+    """Where shared memory hides: files on tmpfs mounts (leftovers of finished jobs), which no process's RSS
+    counts, so `ps --sort=-rss` shows nothing."""
+    path = shm[0] if shm else "/dev/shm"
+    held = f" ({path} alone holds {shm[1] / MIB:.0f} MiB)" if shm and shm[1] >= SHMEM_NOTABLE_BYTES else ""
+    return (
+        f"shared memory holds {shmem / MIB:.0f} MiB{held}: files on tmpfs mounts and in {path}, left by finished "
+        f"jobs, use memory that no process shows. Find them: `df -h -t tmpfs` (which tmpfs is full), then the "
+        f"largest files: `du -ah {path} | sort -h | tail` (and under each full tmpfs); remove those of finished "
+        "jobs. Processes: ps aux --sort=-rss | head"
+    )
 
 
 def hugepages_finding(meminfo: dict[str, int], min_free: int) -> Finding | None:
@@ -113,9 +145,11 @@ def hugepages_finding(meminfo: dict[str, int], min_free: int) -> Finding | None:
     return MEMORY.ok("hugepages", f"{free} free hugepages of {meminfo['HugePages_Total']}", observed)
 
 
-def memory_findings(meminfo: dict[str, int], settings: HostMemoryConfig) -> list[Finding]:
+def memory_findings(
+    meminfo: dict[str, int], settings: HostMemoryConfig, shm: tuple[str, int] | None = None
+) -> list[Finding]:
     hugepages = hugepages_finding(meminfo, settings.min_free_hugepages)
-    return [memory_finding(meminfo, settings), *([hugepages] if hugepages is not None else [])]
+    return [memory_finding(meminfo, settings, shm), *([hugepages] if hugepages is not None else [])]
 
 
 def memory_samples(meminfo: dict[str, int]) -> list[Sample]:
@@ -151,25 +185,28 @@ def shm_local_path(host: Host, path: str) -> Path:
     return host.root_path(path)
 
 
-def shm_output(ctx: ProbeContext, settings: HostShmConfig) -> ProbeOutput:
+def shm_output(ctx: ProbeContext, settings: HostShmConfig) -> tuple[ProbeOutput, tuple[str, int] | None]:
+    """host.shm's finding and samples, and (path, bytes used) when the statvfs answered."""
     path = settings.path
     # A child with a deadline: host.shm.path may be configured onto a filesystem that can hang.
     result: ChildResult = ctx.host.child_call(
         f"host.shm:{path}", statvfs_in_child, str(shm_local_path(ctx.host, path)), timeout=ctx.remaining()
     )
     if result.state == "error" and result.errno in (errno.ENOENT, errno.ENOTDIR):
-        return [SHM.report(SHM_TOO_SMALL, path, f"{path} does not exist", hint="mount a tmpfs at /dev/shm")]
+        return [SHM.report(SHM_TOO_SMALL, path, f"{path} does not exist", hint="mount a tmpfs at /dev/shm")], None
     if not result.ok:
         why = result.error if result.state == "error" else f"no answer ({result.state}: {result.error})"
-        return [SHM.report(SHM_UNREADABLE, path, f"statvfs {path}: {why}", {"state": result.state})]
+        return [SHM.report(SHM_UNREADABLE, path, f"statvfs {path}: {why}", {"state": result.state})], None
     st = result.value
     size, free = st["blocks"] * st["frsize"], st["bavail"] * st["frsize"]
+    used = (st["blocks"] - st["bfree"]) * st["frsize"]
     labels = {"path": path}
-    return [
+    output: ProbeOutput = [
         shm_finding(path, size, free, settings),
         Sample("nodehealth_host_shm_size_bytes", "Size of the shared-memory filesystem.", size, labels),
         Sample("nodehealth_host_shm_free_bytes", "Free bytes in the shared-memory filesystem.", free, labels),
     ]
+    return output, (path, used)
 
 
 @register
@@ -184,6 +221,7 @@ class HostProbe(Probe):
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(HostConfig)
         meminfo_path = ctx.host.proc_path("meminfo")
+        shm, shm_used = shm_output(ctx, settings.shm)
         out: ProbeOutput = []
         try:
             meminfo = parse_meminfo(meminfo_path.read_text())
@@ -191,7 +229,6 @@ class HostProbe(Probe):
             why = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
             out.append(MEMORY.report(MEMINFO_UNREADABLE, "", f"cannot read {meminfo_path}: {why}"))
         else:
-            out.extend(memory_findings(meminfo, settings.memory))
+            out.extend(memory_findings(meminfo, settings.memory, shm_used))
             out.extend(memory_samples(meminfo))
-        out.extend(shm_output(ctx, settings.shm))
-        return out
+        return out + shm

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from probes.base import Family, register_family
+from probes.family import Family, register_family
 from probes.kernel.config import KernelLogConfig
 
 FAMILY = register_family(
@@ -11,7 +11,7 @@ FAMILY = register_family(
         module=__name__,
         config=KernelLogConfig,
         title="Kernel log",
-        doc="docs/probes/kernel-log.md",
+        doc="docs/probes/kernel_log.md",
         order=80,
     )
 )

@@ -1,13 +1,15 @@
-"""Config of the kernel-log family (`kernel_log:`)."""
+"""Config of the kernel log family (`kernel_log:`)."""
 
 from __future__ import annotations
 
 import re
 from typing import Literal
 
+import regex
 from pydantic import Field, field_validator
 
-from probes.base import CATEGORIES, PositiveSeconds, Section
+from probes.base import CATEGORIES
+from probes.family import PositiveSeconds, Section
 
 # A rule's reason becomes a taint value and a Node condition reason: Kubernetes takes at most 63 characters
 # there (a longer one made every Node PATCH fail with 422), and CamelCase is what condition reasons use.
@@ -60,8 +62,8 @@ class KernelLogRule(Section):
     def _compiles(cls, value: str | None) -> str | None:
         if value is not None:
             try:
-                re.compile(value)
-            except re.error as exc:
+                regex.compile(value)  # the engine's: the regex module (Python's re syntax, and more)
+            except regex.error as exc:
                 raise ValueError(f"not a valid regular expression: {exc}") from None
         return value
 
@@ -81,4 +83,7 @@ class KernelLogConfig(Section):
     extra_rules: list[KernelLogRule] = []
     # Bounds one run's work when the kernel floods the log.
     max_records_per_run: int = Field(20000, ge=1)
+    # Rules see at most this much of a message, and messages show at most this much.
     max_line_chars: int = Field(240, ge=40)
+    # One match of one rule on one line: beyond it the match is given up (counted, taken as no match).
+    match_timeout_seconds: PositiveSeconds = 0.05

@@ -8,13 +8,25 @@ from typing import Any
 # doc, 94/95 from ml-engineering's debug guide, 74 NVLink, 79 fallen off the bus, 92 high SBE rate).
 GPU_FATAL_XIDS = ("48", "63", "64", "74", "79", "92", "94", "95")
 
+# Every default rule is anchored at the start of the message, to the prefix its driver prints: the kernel logs
+# text a task chooses (its name, the file it crashed in) inside and at the start of other records, and an
+# unanchored rule would let any pod raise or clear a fault with a file name.
+#
+# dev_printk's "<driver> <device>: " (pcieport 0000:00:01.0: AER: ..., nvidia 0000:3b:00.0: PCIe Bus Error: ...).
+DEVICE_PREFIX = r"^\S+ \S+: "
+# drv_printk's "[ascend] [module] [function line] ", then the task it runs for, "<name:pid:tid> ": skipped to
+# its last ":pid:tid> ", so a task name holding a fault's words is never what a rule reads.
+ASCEND_PREFIX = r"^\[ascend\] (?:\[ERROR\] )?\[[^\]]+\] \[[^\]]+\] (?:<.*:\d+:\d+> |(?!<))"
+# Loop devices hold images (CI runners, snaps, containers' filesystems): their errors are not the node's disks'.
+NOT_LOOP = r"(?!loop\d)"
+
 # Default rules (config: kernel_log.rules). Spellings and sources: README.md, Troubleshooting, Kernel log.
 DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "PcieAerFatal",
         "meaning": "the kernel logged a fatal uncorrectable PCIe AER error (drivers/pci/pcie/aer.c)",
-        "pattern": r"AER: (?:Multiple )?Uncorrect(?:ed|able) \(Fatal\) error"
-        r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Fatal\)",
+        "pattern": DEVICE_PREFIX + r"(?:AER: (?:Multiple )?Uncorrect(?:ed|able) \(Fatal\) error"
+        r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Fatal\))",
         "type": "permanent",
         "status": "fail",
         "hint": "a PCIe device reported a fatal uncorrectable error: find it in dmesg (lspci -vvv -s BDF), "
@@ -23,15 +35,16 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "PcieAerNonFatal",
         "meaning": "the kernel logged a non-fatal uncorrectable PCIe AER error",
-        "pattern": r"AER: (?:Multiple )?Uncorrect(?:ed|able) \(Non-Fatal\) error"
-        r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Non-Fatal\)",
+        "pattern": DEVICE_PREFIX + r"(?:AER: (?:Multiple )?Uncorrect(?:ed|able) \(Non-Fatal\) error"
+        r"|PCIe Bus Error: severity=Uncorrect(?:ed|able) \(Non-Fatal\))",
         "status": "warn",
         "hint": "uncorrectable non-fatal PCIe errors: watch pcie.aer; repeated errors on one device call for a reseat",
     },
     {
         "reason": "PcieCorrectableBurst",
         "meaning": "the kernel logged corrected PCIe AER errors at 10 or more within 60 s (a marginal link)",
-        "pattern": r"AER: (?:Multiple )?Correct(?:ed|able) error|PCIe Bus Error: severity=Correct(?:ed|able)",
+        "pattern": DEVICE_PREFIX
+        + r"(?:AER: (?:Multiple )?Correct(?:ed|able) error|PCIe Bus Error: severity=Correct(?:ed|able))",
         "count": 10,
         "window_seconds": 60,
         "status": "warn",
@@ -41,7 +54,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "GpuXid",
         "meaning": "the NVIDIA driver logged an XID error (NVRM: Xid); XIDs 48, 63, 64, 74, 79, 92, 94 and 95 fail",
-        "pattern": r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+)",
+        "pattern": r"^NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+)",
         "status": "warn",
         "category": "gpu",
         "fail_on": {"xid": list(GPU_FATAL_XIDS)},
@@ -51,8 +64,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "NpuDriverHeartbeatLost",
         "meaning": "the Ascend driver logged a lost or timed-out heartbeat of an NPU (spelling inferred)",
-        "pattern": r"(?i)(?:\[ascend\]|devdrv|davinci|hdc|tsdrv|drv_pcie).*heart ?beat"
-        r".*(?:lost|timeout|timed out|abnormal)",
+        "pattern": r"(?i)" + ASCEND_PREFIX + r".*heart ?beat.*(?:lost|timeout|timed out|abnormal)",
         "status": "fail",
         "category": "npu",
         "hint": "the NPU stopped answering its driver's heartbeat: check npu-smi info -t health; a chip that stays "
@@ -61,7 +73,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "NpuDriverError",
         "meaning": "the Ascend driver logged 20 or more errors within 300 s (spelling inferred)",
-        "pattern": r"^\[ascend\] (?:\[ERROR\] )?\[[^\]]+\] \[[^\]]+\].*(?i:fail|error|timeout|abnormal)",
+        "pattern": ASCEND_PREFIX + r".*(?i:fail|error|timeout|abnormal)",
         "count": 20,
         "window_seconds": 300,
         "status": "warn",
@@ -72,7 +84,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "OomKill",
         "meaning": "the kernel's OOM killer (global or a memory cgroup) killed a process",
-        "pattern": r"Out of memory: Kill(?:ed)? process \d+|Memory cgroup out of memory: Kill(?:ed)? process \d+",
+        "pattern": r"^(?:Out of memory|Memory cgroup out of memory): Kill(?:ed)? process \d+",
         "status": "warn",
         "hint": "the kernel killed a process for memory: compare the job's memory limit with its use, and look for "
         "leftover processes holding host memory",
@@ -80,7 +92,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "HungTask",
         "meaning": "a task was blocked in uninterruptible sleep for more than the hung-task timeout",
-        "pattern": r"task .+:\d+ blocked for more than \d+ seconds",
+        "pattern": r"^INFO: task .+:\d+ blocked for more than \d+ seconds",
         "status": "warn",
         "hint": "a task sat in uninterruptible sleep for minutes, usually on a hung filesystem (NFS) or device: "
         "the lines after it in dmesg show its stack",
@@ -88,8 +100,8 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "NfsServerNotResponding",
         "meaning": "an NFS server stopped answering (cleared at once by its `nfs: server X OK` line)",
-        "pattern": r"nfs: server (?P<server>\S+) not responding",
-        "recover_pattern": r"nfs: server \S+ OK",
+        "pattern": r"^nfs: server (?P<server>\S+) not responding",
+        "recover_pattern": r"^nfs: server \S+ OK",
         "status": "warn",
         "category": "storage",
         "hint": "an NFS server stopped answering: check the network path to it (storage.mounts shows which mount "
@@ -98,7 +110,8 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "Ext4Error",
         "meaning": "ext4 reported an error or remounted a filesystem read-only",
-        "pattern": r"EXT4-fs error|EXT4-fs \([^)]+\): Remounting filesystem read-only",
+        "pattern": r"^EXT4-fs (?:error \(device " + NOT_LOOP + r"(?P<device>[^)]+)\)"
+        r"|\(" + NOT_LOOP + r"(?P<device>[^)]+)\): Remounting filesystem read-only)",
         "type": "permanent",
         "status": "fail",
         "category": "storage",
@@ -107,7 +120,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
     {
         "reason": "XfsError",
         "meaning": "XFS reported an I/O error, corruption or a shutdown",
-        "pattern": r"XFS \([^)]+\): .*(?i:error|corrupt|shut ?down|shutting down)",
+        "pattern": r"^XFS \(" + NOT_LOOP + r"(?P<device>[^)]+)\): .*(?i:error|corrupt|shut ?down|shutting down)",
         "type": "permanent",
         "status": "fail",
         "category": "storage",

@@ -10,6 +10,9 @@ Record format (Documentation/ABI/testing/dev-kmsg):
 PRI is the syslog priority (facility << 3 | level); non-printable bytes of MESSAGE and of the KEY=VALUE
 continuation lines are escaped as \\xHH. A read() returns one record; when the reader fell behind and records
 were overwritten, read() fails once with EPIPE and the next read returns the oldest record still there.
+
+The escapes are decoded only to put UTF-8 text back together: a control character (a task may name its file
+with ESC sequences, and the kernel logs that name) is escaped again, so no message holds one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from probes.text import escape
+
 KERNEL_FACILITY = 0
 # The kernel refuses reads into a buffer smaller than one record (CONSOLE_EXT_LOG_MAX is 8 KiB).
 READ_SIZE = 16384
@@ -33,7 +38,7 @@ _ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
 
 def _unescape(raw: bytes) -> str:
-    return _ESCAPE.sub(lambda m: bytes([int(m.group(1), 16)]), raw).decode("utf-8", "replace")
+    return escape(_ESCAPE.sub(lambda m: bytes([int(m.group(1), 16)]), raw).decode("utf-8", "replace"))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ KERNEL_LOG_READ_FAILED = Reason(
 DEFAULT_RULE_REASONS: tuple[Reason, ...] = rule_reasons([KernelLogRule.model_validate(r) for r in DEFAULT_RULES])
 
 
-def _counters(engine: RuleEngine, read: int, ignored: int, overwritten: int) -> list[Sample]:
+def _counters(engine: RuleEngine, read: int, ignored: int, overwritten: int, dropped: int) -> list[Sample]:
     out = [
         Sample(
             "nodehealth_kernel_log_matches_total",
@@ -44,6 +44,32 @@ def _counters(engine: RuleEngine, read: int, ignored: int, overwritten: int) -> 
         )
         for reason in engine.reasons
     ]
+    out.extend(
+        Sample(
+            "nodehealth_kernel_log_match_timeouts_total",
+            "Matches of a reason's rules given up at kernel_log.match_timeout_seconds (taken as no match).",
+            engine.match_timeouts(reason),
+            {"reason": reason},
+            kind="counter",
+        )
+        for reason in engine.reasons
+    )
+    out.append(
+        Sample(
+            "nodehealth_kernel_log_user_task_records_total",
+            "Kernel records about a user task (a crash, an audit record) that carry its chosen text: never matched.",
+            engine.user_task_records_total,
+            kind="counter",
+        )
+    )
+    out.append(
+        Sample(
+            "nodehealth_kernel_log_records_dropped_total",
+            "Kernel records read but never matched: matching fell behind by more than max_records_per_run.",
+            dropped,
+            kind="counter",
+        )
+    )
     out.append(
         Sample(
             "nodehealth_kernel_log_records_read_total",
@@ -85,9 +111,11 @@ class KernelLogProbe(Probe):
         self._engine: RuleEngine | None = None
         self._engine_key: tuple[Any, ...] | None = None
         self._clock = clock
+        self._backlog: list[str] = []  # read, not matched yet: the last run reached its deadline
         self.records_read_total = 0
         self.records_ignored_total = 0
         self.overwritten_total = 0
+        self.records_dropped_total = 0
 
     def allowed_reasons(self, ctx: ProbeContext) -> Mapping[str, Reason]:
         """The declared reasons, with those of the rules configured now (kernel_log.rules, extra_rules)."""
@@ -120,12 +148,19 @@ class KernelLogProbe(Probe):
 
     def _ensure_engine(self, settings: KernelLogConfig) -> RuleEngine:
         rules = effective_rules(settings)
-        key = (tuple(rules), settings.quiet_period_seconds, settings.max_line_chars)
+        key = (tuple(rules), settings.quiet_period_seconds, settings.max_line_chars, settings.match_timeout_seconds)
         if self._engine is None:
-            self._engine = RuleEngine(rules, settings.quiet_period_seconds, self._clock, settings.max_line_chars)
+            self._engine = RuleEngine(
+                rules,
+                settings.quiet_period_seconds,
+                self._clock,
+                settings.max_line_chars,
+                settings.match_timeout_seconds,
+            )
         elif key != self._engine_key:
             self._engine.configure(rules, settings.quiet_period_seconds)
             self._engine.max_line_chars = settings.max_line_chars
+            self._engine.match_timeout = settings.match_timeout_seconds
         self._engine_key = key
         return self._engine
 
@@ -148,7 +183,19 @@ class KernelLogProbe(Probe):
             reader.close()  # reopened (at the end) next run
             return [LOG.report(KERNEL_LOG_READ_FAILED, "", f"reading {path} failed: {exc.strerror or exc}")]
         self._count(result)
-        engine.observe_all(record.message for record in result.records)
+        pending = self._backlog + [record.message for record in result.records]
+        if len(pending) > settings.max_records_per_run:
+            self.records_dropped_total += len(pending) - settings.max_records_per_run
+            pending = pending[-settings.max_records_per_run :]
+        self._backlog = engine.observe_all(pending, deadline=ctx.deadline - 0.2)
         out: ProbeOutput = list(engine.findings())
-        out.extend(_counters(engine, self.records_read_total, self.records_ignored_total, self.overwritten_total))
+        out.extend(
+            _counters(
+                engine,
+                self.records_read_total,
+                self.records_ignored_total,
+                self.overwritten_total,
+                self.records_dropped_total,
+            )
+        )
         return out

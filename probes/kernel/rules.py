@@ -3,6 +3,11 @@
 A rule raises its reason after `count` matches within `window_seconds` and the problem clears after a quiet
 period without a match (or at once on the rule's recover_pattern). Every reason a rule can raise is a
 declared Reason of the probe (`rule_reasons`), built from the rules in force.
+
+Matching is bounded: a rule sees at most `max_line_chars` of a message, and each match runs with a time limit
+in the `regex` module, which releases the GIL while it matches, so a pattern that backtracks without end on a
+crafted line costs its limit and never freezes the agent's other threads (Python's `re` holds the GIL and
+cannot be interrupted). Records about a user task are never matched (`is_user_task_record`).
 """
 
 from __future__ import annotations
@@ -14,12 +19,33 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
 from probes.base import Check, Finding, Reason, Status
 from probes.kernel.config import KernelLogConfig, KernelLogRule
 
 CHECK = "kernel.log"
 LOG = Check(CHECK)
 DEFAULT_HINT = "read the kernel log around this line (dmesg -T)"
+
+# Records the kernel writes about a user task, whose text that task chooses: its name (the first 15 bytes of
+# the file it runs, or anything it sets with prctl) and, after " in ", the whole name of the file it crashed
+# in. From the format strings of arch/x86/mm/fault.c (show_signal_msg), arch/x86/kernel/traps.c,
+# arch/arm64/kernel/traps.c (arm64_show_signal), kernel/signal.c (print_fatal_signal) and kernel/audit.c (audit
+# records printed to the log when no audit daemon runs). No rule sees them: any pod could raise or clear a fault.
+USER_TASK_RECORD = re.compile(
+    r"^traps: "  # traps: NAME[pid] trap invalid opcode / general protection fault ... in FILE[...]
+    r"|^audit: "  # audit: type=1701 ... comm="NAME" exe="PATH"
+    r"|^potentially unexpected fatal signal "
+    r"|\[\d+\]: segfault at "  # NAME[pid]: segfault at ADDR ... in FILE[...]
+    r"|\[\d+\]:? (?:unhandled |general protection |trap )"  # arm64, and older x86 spellings
+    r"|\[[0-9a-f]+(?:,[0-9a-f]+)?\+[0-9a-f]+\]"  # print_vma_addr: " in FILE[offset,base+size]"
+)
+
+
+def is_user_task_record(message: str) -> bool:
+    """Whether the kernel wrote this record about a user task, with text the task chose (see USER_TASK_RECORD)."""
+    return USER_TASK_RECORD.search(message) is not None
 
 
 def effective_rules(settings: KernelLogConfig) -> list[KernelLogRule]:
@@ -60,6 +86,7 @@ class _RuleState:
     last_line: str = ""
     matches_total: int = 0
     matches_while_active: int = 0
+    match_timeouts: int = 0  # matches of this reason's rules cut by the time limit
     values: dict[str, list[str]] = field(default_factory=dict)  # named group → distinct values while active
 
     def clear(self) -> None:
@@ -72,7 +99,7 @@ class _RuleState:
     def in_window(self, now: float, window: float) -> int:
         return sum(1 for t in self.match_times if now - t <= window)
 
-    def note_groups(self, found: re.Match[str], fail_on: dict[str, list[str]]) -> None:
+    def note_groups(self, found: regex.Match[str], fail_on: dict[str, list[str]]) -> None:
         for group, value in found.groupdict().items():
             if value is None:
                 continue
@@ -86,8 +113,8 @@ class _RuleState:
 @dataclass(frozen=True)
 class _CompiledRule:
     spec: KernelLogRule
-    regex: re.Pattern[str]
-    recover: re.Pattern[str] | None
+    compiled: regex.Pattern[str]
+    recover: regex.Pattern[str] | None
 
 
 class RuleEngine:
@@ -103,10 +130,13 @@ class RuleEngine:
         quiet_period_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         max_line_chars: int = 240,
+        match_timeout: float = 0.05,
     ) -> None:
         self.clock = clock
         self.quiet_period_seconds = quiet_period_seconds
         self.max_line_chars = max_line_chars
+        self.match_timeout = match_timeout
+        self.user_task_records_total = 0
         self._rules: list[_CompiledRule] = []
         self._states: dict[str, _RuleState] = {}
         self._reasons: dict[str, Reason] = {}
@@ -117,7 +147,7 @@ class RuleEngine:
         self.quiet_period_seconds = quiet_period_seconds
         self._rules = [
             _CompiledRule(
-                rule, re.compile(rule.pattern), re.compile(rule.recover_pattern) if rule.recover_pattern else None
+                rule, regex.compile(rule.pattern), regex.compile(rule.recover_pattern) if rule.recover_pattern else None
             )
             for rule in rules
         ]
@@ -142,24 +172,38 @@ class RuleEngine:
     def matches_total(self, reason: str) -> int:
         return self._states[reason].matches_total
 
+    def match_timeouts(self, reason: str) -> int:
+        return self._states[reason].match_timeouts
+
+    def _search(self, pattern: regex.Pattern[str], line: str, state: _RuleState) -> regex.Match[str] | None:
+        try:
+            return pattern.search(line, timeout=self.match_timeout)
+        except TimeoutError:
+            state.match_timeouts += 1  # taken as no match: a crafted line must not raise a fault either
+            return None
+
     def observe(self, message: str) -> list[str]:
         """Feed one kernel message; returns the reasons it matched."""
+        if is_user_task_record(message):
+            self.user_task_records_total += 1
+            return []
+        line = message[: self.max_line_chars]
         matched: list[str] = []
         now = self.clock()
         for rule in self._rules:
             spec = rule.spec
             state = self._states[spec.reason]
             self._expire(spec, state, now)
-            if rule.recover is not None and rule.recover.search(message):
+            if rule.recover is not None and self._search(rule.recover, line, state) is not None:
                 state.clear()
                 continue
-            found = rule.regex.search(message)
+            found = self._search(rule.compiled, line, state)
             if found is None:
                 continue
             matched.append(spec.reason)
             state.matches_total += 1
             state.match_times.append(now)
-            state.last_line = message[: self.max_line_chars]
+            state.last_line = line
             if not state.active and state.in_window(now, spec.window_seconds) >= spec.count:
                 state.active = True
                 state.matches_while_active = 0
@@ -170,9 +214,14 @@ class RuleEngine:
                 state.note_groups(found, spec.fail_on)
         return matched
 
-    def observe_all(self, messages: Iterable[str]) -> None:
-        for message in messages:
+    def observe_all(self, messages: Iterable[str], deadline: float | None = None) -> list[str]:
+        """Feed messages in order until `deadline` (time.monotonic()); returns those not fed."""
+        pending = list(messages)
+        for index, message in enumerate(pending):
+            if deadline is not None and time.monotonic() >= deadline:
+                return pending[index:]
             self.observe(message)
+        return []
 
     def _quiet_period(self, spec: KernelLogRule) -> float:
         return spec.quiet_period_seconds or self.quiet_period_seconds
@@ -198,6 +247,8 @@ class RuleEngine:
                 "count": spec.count,
                 "window_seconds": spec.window_seconds,
             }
+            if state.match_timeouts:
+                observed["match_timeouts"] = state.match_timeouts
             if state.active:
                 out.append(self._problem(spec, state, observed, now))
                 continue

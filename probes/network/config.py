@@ -6,7 +6,7 @@ import ipaddress
 
 from pydantic import Field, field_validator, model_validator
 
-from probes.base import PositiveSeconds, Section
+from probes.family import PositiveSeconds, Section
 from probes.runtime.addresses import split_host_port
 from probes.runtime.resolver import DEFAULT_TRY_SECONDS, HostResolverSettings
 

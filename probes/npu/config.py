@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from probes.base import PositiveSeconds, Section
+from probes.family import PositiveSeconds, Section
 
 
 class NpuConfig(Section):
@@ -35,3 +35,5 @@ class NpuConfig(Section):
     holder_scan_seconds_per_1000_fds: float = Field(0.04, ge=0)
     # Holders never reported (fnmatch on the process name): the driver's own host daemons, npu-smi itself.
     holder_ignore_commands: list[str] = ["npu-smi", "dmp_daemon", "slogd", "sklogd", "log-daemon", "hccn_tool"]
+    # Status of a chip the device plugin no longer offers (DevicePluginUnhealthy): the plugin keeps jobs off it.
+    device_plugin_unhealthy_status: Literal["warn", "fail"] = "warn"

@@ -125,20 +125,28 @@ def hbm_findings(
     leak_min_mib: float,
     chips_with_fd_holders: set[int],
     proc_mem_errors: Mapping[tuple[int, int], str],
+    ledger_notes: Mapping[int, str] | None = None,
 ) -> list[Finding]:
-    """npu.hbm per chip: free device memory below the floor; memory in use with no process on the chip."""
+    """npu.hbm per chip: free device memory below the floor; memory in use with no process on the chip (saying
+    whether the device plugin's ledger has the chip free: `ledger_notes` per device number)."""
     out: list[Finding] = []
     for chip in chips:
         observed = chip_observed(chip)
         error = proc_mem_errors.get((chip.card_id, chip.chip_index))
         if error:
             observed["proc_mem_error"] = error
-        out.append(_chip_memory(chip, observed, min_free_mib, leak_min_mib, chips_with_fd_holders))
+        note = (ledger_notes or {}).get(chip.device_number) if chip.device_number is not None else None
+        out.append(_chip_memory(chip, observed, min_free_mib, leak_min_mib, chips_with_fd_holders, note or ""))
     return out
 
 
 def _chip_memory(
-    chip: NpuChip, observed: dict[str, Any], min_free_mib: float, leak_min_mib: float, fd_held: set[int]
+    chip: NpuChip,
+    observed: dict[str, Any],
+    min_free_mib: float,
+    leak_min_mib: float,
+    fd_held: set[int],
+    ledger_note: str = "",
 ) -> Finding:
     subject, device = chip_subject(chip), chip.logical_id
     memory = chip.device_memory()
@@ -156,8 +164,10 @@ def _chip_memory(
     if no_process and used > leak_min_mib:
         message = (
             f"{describe_chip(chip)}: {used} MiB of {label} in use with no process on the chip "
-            f"(above {leak_min_mib:g} MiB)"
+            f"(above {leak_min_mib:g} MiB)" + (f"; {ledger_note}" if ledger_note else "")
         )
+        if ledger_note:
+            observed["ledger"] = ledger_note
         hint = f"memory of an exited job was not released: reset the chip ({_reset_command(chip)}) or reboot the node"
         return HBM.report(NPU_HBM_LEAKED, subject, message, observed, hint=hint, device=device)
     if free < min_free_mib:

@@ -10,16 +10,17 @@ it found no holder of unknown (NpuHolderScanFailed), naming what it could not re
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from probes.base import NOT_APPLICABLE, Finding, Status
+from probes.base import NOT_APPLICABLE, Finding, Reason, Status
 from probes.npu.findings import chip_subject
 from probes.npu.info_table import NpuChip
 from probes.npu.reasons import (
     HOLDERS,
     NPU_HELD_OUT_OF_BAND,
+    NPU_HELD_OUTSIDE_ALLOCATION,
     NPU_HOLDER_SCAN_FAILED,
     NPU_SHARED_BY_PODS,
 )
@@ -32,6 +33,7 @@ from probes.runtime.holders import (
     pods_of,
     stop_hint,
 )
+from probes.runtime.podresources.compare import DeviceVerdict, outside_message
 
 DAVINCI = re.compile(r"^davinci(\d+)$")
 
@@ -58,9 +60,11 @@ def holder_findings(
     ignore_commands: Sequence[str],
     redact: bool,
     where: str = "",
+    verdicts: Mapping[int, DeviceVerdict] | None = None,
 ) -> tuple[list[Finding], dict[int, int], int]:
     """npu.holders per chip and node-wide; (findings, out-of-band holders per device number, out-of-band
-    holders of only the shared nodes). `where` names the device nodes looked for, for the skip message."""
+    holders of only the shared nodes). `where` names the device nodes looked for, for the skip message;
+    `verdicts` are the device plugin ledger's, per device number (npu.ledger), when it was read."""
     by_number = {c.device_number: c for c in chips if c.device_number is not None}
     numbers = sorted(set(by_number) | set(davinci))
     out_of_band = dict.fromkeys(numbers, 0)
@@ -80,13 +84,21 @@ def holder_findings(
     for number in sorted(per_chip):
         holders = per_chip[number]
         out_of_band[number] = sum(1 for h in holders if not h.in_pod)
-        findings.append(_chip_finding(number, by_number.get(number), holders, scan, redact))
+        verdict = verdicts.get(number) if verdicts else None
+        findings.append(_chip_finding(number, by_number.get(number), holders, scan, redact, verdict))
     outside_shared = [h for h in shared_only if not h.in_pod]
     findings.append(_shared_nodes_finding(outside_shared, scan, len(kept), len(scan.holders) - len(kept), redact))
     return findings, out_of_band, len(outside_shared)
 
 
-def _chip_finding(number: int, chip: NpuChip | None, holders: list[Holder], scan: HolderScan, redact: bool) -> Finding:
+def _chip_finding(
+    number: int,
+    chip: NpuChip | None,
+    holders: list[Holder],
+    scan: HolderScan,
+    redact: bool,
+    verdict: DeviceVerdict | None = None,
+) -> Finding:
     subject = chip_subject(chip) if chip else f"npu{number}"
     device = chip.logical_id if chip else number
     node = f"/dev/davinci{number}"
@@ -100,35 +112,53 @@ def _chip_finding(number: int, chip: NpuChip | None, holders: list[Holder], scan
         "pods": len(pods),
         "holders": [h.to_dict(redact) for h in holders[:10]],
     }
-    problems: list[tuple[str, str]] = []  # (message, hint)
+    problems: list[tuple[Reason, str, str]] = []  # in order of precedence: the first one's reason leads
     if outside:
         problems.append(
             (
+                NPU_HELD_OUT_OF_BAND,
                 f"{node} is held outside Kubernetes by {describe_holders(outside, redact)}",
                 f"{stop_hint(outside)}; or run it through Kubernetes so the device plugin accounts for the NPU",
             )
         )
-    if len(pods) >= 2:
+    problems.extend(_ledger_problems(node, verdict, redact))
+    outside_allocation = verdict is not None and verdict.held_outside
+    by_design = verdict is not None and bool(verdict.shared_by_design)
+    if len(pods) >= 2 and not outside_allocation and not by_design:
         firsts = [members[0] for members in pods.values()]
         problems.append(
             (
+                NPU_SHARED_BY_PODS,
                 f"{node} is held by {len(pods)} pods: {describe_pods(pods, redact)}",
                 f"two jobs share one chip: delete one of the pods ({stop_hint(firsts)}) and let one scheduler "
                 "own the NPUs (Volcano or the default scheduler with the device plugin, not both)",
             )
         )
+    if verdict is not None:
+        observed.update(verdict.observed())
     if problems:
-        reason = NPU_HELD_OUT_OF_BAND if outside else NPU_SHARED_BY_PODS
-        if outside and len(pods) >= 2:
-            observed["reasons"] = [NPU_HELD_OUT_OF_BAND.code, NPU_SHARED_BY_PODS.code]
-        message = "; ".join(message for message, _ in problems)
-        hint = "; ".join(hint for _, hint in problems)
-        return HOLDERS.report(reason, subject, message, observed, hint=hint, device=device)
+        if len(problems) >= 2:
+            observed["reasons"] = [reason.code for reason, _, _ in problems]
+        message = "; ".join(message for _, message, _ in problems)
+        hint = "; ".join(hint for _, _, hint in problems)
+        return HOLDERS.report(problems[0][0], subject, message, observed, hint=hint, device=device)
     if not scan.complete:
         message = f"could not see every holder of {node}: {scan.shortfall()}; none outside Kubernetes among the rest"
         return HOLDERS.report(NPU_HOLDER_SCAN_FAILED, subject, message, observed, device=device)
     in_pods = f", {len(holders)} in {'a pod' if len(pods) == 1 else 'pods'}" if holders else ""
     return HOLDERS.ok(subject, f"{node}: no holder outside Kubernetes{in_pods}", observed, device=device)
+
+
+def _ledger_problems(node: str, verdict: DeviceVerdict | None, redact: bool) -> list[tuple[Reason, str, str]]:
+    """A pod holding the chip although the device plugin's ledger gave it to no pod, or to another."""
+    if verdict is None or not verdict.held_outside:
+        return []
+    wrong = [members[0] for _, members in verdict.outside]
+    hint = (
+        f"delete the pod that holds it without an allocation ({stop_hint(wrong)}): the next job the device plugin "
+        "gives the chip to fails with -8020 / davinci already in use"
+    )
+    return [(NPU_HELD_OUTSIDE_ALLOCATION, outside_message(node, verdict, redact), hint)]
 
 
 def _shared_nodes_finding(outside: list[Holder], scan: HolderScan, kept: int, ignored: int, redact: bool) -> Finding:

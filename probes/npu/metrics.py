@@ -1,4 +1,9 @@
-"""The npu probe's metric samples: per chip, labelled chip (logical id), card, name and pci_bus_id."""
+"""The npu probe's metric samples: per chip, labelled chip (logical id), card, name, pci_bus_id, id and the pod.
+
+`id` is the chip's physical id, the label npu-exporter gives its chip series (its `id`: the Phy-ID); `pod`,
+`namespace` and `container` name the container the device plugin's ledger allocated the chip to, as dcgm-exporter
+labels GPU series (empty when the chip is free, shared by several pods, or the ledger was not read).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from probes.base import Sample
 from probes.npu.info_table import NpuChip
+from probes.runtime.podresources.ledger import (
+    ALLOCATED_HELP,
+    ALLOCATED_METRIC,
+    Allocation,
+    allocated_labels,
+    pod_labels,
+)
 
 MIB = 1024 * 1024
 
@@ -15,14 +27,30 @@ HEALTH_METRIC_OTHER = 4  # UNKNOWN (device absent or not started) and words npu-
 
 
 def chip_labels(chip: NpuChip) -> dict[str, str]:
-    """`pci_bus_id` as npu-smi prints it (`0000:C1:00.0`), so series join with npu-exporter's by bus."""
-    return {"chip": str(chip.logical_id), "card": str(chip.card_id), "name": chip.name, "pci_bus_id": chip.bus_id or ""}
+    """`pci_bus_id` as npu-smi prints it (`0000:C1:00.0`), `id` the physical id: npu-exporter's chip key."""
+    physical = "" if chip.device_number is None else str(chip.device_number)
+    return {
+        "chip": str(chip.logical_id),
+        "card": str(chip.card_id),
+        "name": chip.name,
+        "pci_bus_id": chip.bus_id or "",
+        "id": physical,
+    }
 
 
-def chip_samples(chips: Sequence[NpuChip], out_of_band: Mapping[int, int]) -> list[Sample]:
+def chip_samples(
+    chips: Sequence[NpuChip],
+    out_of_band: Mapping[int, int],
+    allocated: Mapping[int, list[Allocation]] | None = None,
+) -> list[Sample]:
+    """`allocated`: the ledger's allocations per device number, None when it was not read."""
     samples: list[Sample] = []
     for chip in chips:
-        labels = chip_labels(chip)
+        grants = (allocated or {}).get(chip.device_number, []) if chip.device_number is not None else []
+        labels = {**chip_labels(chip), **pod_labels(grants)}
+        if allocated is not None:
+            count, resource = allocated_labels(grants)
+            samples.append(Sample(ALLOCATED_METRIC, ALLOCATED_HELP, count, {**labels, **resource}))
 
         def add(name: str, help_text: str, value: float | None, labels: dict[str, str] = labels) -> None:
             if value is not None:

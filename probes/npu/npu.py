@@ -8,7 +8,9 @@
 - npu.hbm: per chip, free device memory below npu.min_hbm_free_mib; memory in use with no process.
 - npu.holders: processes holding the NPU device nodes (matched by device number, so a container's own
   /dev/davinci0 counts) merged with npu-smi's process list, classified by cgroup: outside a pod → fail,
-  two pods on one chip → fail.
+  two pods on one chip → fail, a pod on a chip the device plugin's ledger gave to no pod or another → fail.
+- npu.ledger: the device plugin's ledger (the kubelet's PodResources API, read in a child while the rest runs):
+  who each chip is allocated to, and the chips the plugin no longer offers (probes/npu/ledger_findings.py).
 
 Detail queries (`-m`, `-t health`, `-t proc-mem`) are not supported everywhere: when one fails, what the
 main table said stands, and the failure is noted in the finding's observed data. Every run publishes the
@@ -42,6 +44,7 @@ from probes.npu.details import ChipMapping, HealthDetail, parse_health, parse_ma
 from probes.npu.findings import chip_subject, hbm_findings, health_findings
 from probes.npu.holder_findings import holder_findings, numbers_held_by_fd, where_looked
 from probes.npu.info_table import NpuChip, NpuInfo, parse_info
+from probes.npu.ledger_findings import FirstSeen, ledger_findings, ledger_note, ledger_verdicts, npu_ledger
 from probes.npu.metrics import chip_samples
 from probes.npu.reasons import (
     HBM,
@@ -55,6 +58,7 @@ from probes.npu.reasons import (
 )
 from probes.npu.smi import binary_found, run_smi, search_smi, smi_binary
 from probes.runtime.holders import DeviceScan, HolderScan, PodNames, device_holders, device_nodes, scan_devices
+from probes.runtime.podresources.client import ledger_source
 
 _DAVINCI = re.compile(r"^davinci(\d+)$")
 ChipKey = tuple[int, int]
@@ -103,7 +107,7 @@ def host_fds_seen(scan: DeviceScan | None) -> int | None:
 @register
 class NpuProbe(Probe):
     name = "npu"
-    checks = ("npu.smi", "npu.health", "npu.hbm", "npu.holders")
+    checks = ("npu.smi", "npu.health", "npu.hbm", "npu.holders", "npu.ledger")
     reasons = REASONS
     default_interval = 30.0
     # The holder scan takes up to 40% of it, and grows with the fds on the host (holder_scan_seconds).
@@ -115,6 +119,7 @@ class NpuProbe(Probe):
         self._mapping_cache: tuple[tuple[tuple[int, int, str | None], ...], tuple[ChipMapping, ...]] | None = None
         self._pod_names: PodNames | None = None
         self._host_fds: int | None = None  # as the last holder scan saw them
+        self._first_seen = FirstSeen()  # pods with Ascend devices, when the ledger first showed them
 
     def allowed_reasons(self, ctx: ProbeContext) -> dict[str, Reason]:
         allowed = dict(super().allowed_reasons(ctx))
@@ -142,7 +147,9 @@ class NpuProbe(Probe):
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(NpuConfig)
         davinci = davinci_numbers(ctx.host.dev)
-        # The fd scan first: it is quick, and a hung npu-smi must not starve it of its deadline.
+        # The ledger read runs in a child meanwhile; the fd scan first: it is quick, and a hung npu-smi must not
+        # starve it of its deadline.
+        pending = ledger_source(ctx.kubelet.socket).start(ctx.kubelet.timeout)
         scan = self._scan(ctx, settings)
         info, table_findings = self._table(ctx, settings, davinci)
         out: ProbeOutput = list(table_findings)
@@ -152,15 +159,24 @@ class NpuProbe(Probe):
             chips, judged = self._judge_table(ctx, settings, info, davinci, proc_mem_errors)
             out.extend(judged)
         holders = self._holders(ctx, scan, chips)
+        view = npu_ledger(pending.result(ctx.deadline - 0.5), ctx.kubelet.pods, self._first_seen)
+        numbers = sorted({c.device_number for c in chips if c.device_number is not None} | set(davinci))
         if chips:
             held = numbers_held_by_fd(holders)
-            out.extend(hbm_findings(chips, settings.min_hbm_free_mib, settings.hbm_leak_min_mib, held, proc_mem_errors))
+            notes = {n: ledger_note(view, n) for n in numbers}
+            out.extend(
+                hbm_findings(chips, settings.min_hbm_free_mib, settings.hbm_leak_min_mib, held, proc_mem_errors, notes)
+            )
         where = where_looked(ctx.host.dev, settings.holder_devices)
+        verdicts = ledger_verdicts(view, holders, numbers, settings.holder_ignore_commands)
         found, out_of_band, shared_out_of_band = holder_findings(
-            chips, davinci, holders, settings.holder_ignore_commands, ctx.redact_cmdlines, where
+            chips, davinci, holders, settings.holder_ignore_commands, ctx.redact_cmdlines, where, verdicts
         )
         out.extend(found)
-        out.extend(chip_samples(chips, out_of_band))
+        own = [item for item in out if isinstance(item, Finding)]
+        out.extend(ledger_findings(view, chips, davinci, own, settings.device_plugin_unhealthy_status))
+        allocated = {n: view.allocations(n) for n in numbers} if view.read.ok else None
+        out.extend(chip_samples(chips, out_of_band, allocated))
         if holders is not None:
             out.append(
                 Sample(

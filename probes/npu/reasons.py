@@ -11,6 +11,7 @@ SMI = Check("npu.smi")
 HEALTH = Check("npu.health")
 HBM = Check("npu.hbm")
 HOLDERS = Check("npu.holders")
+LEDGER = Check("npu.ledger")
 
 NPU_SMI_FAILED = Reason(
     "NpuSmiFailed",
@@ -121,6 +122,33 @@ NPU_HOLDER_SCAN_FAILED = Reason(
     "holders it did find are still reported",
     "look for processes in D state (ps -eo pid,stat,cmd) and hung mounts (storage.mounts)",
 )
+NPU_HELD_OUTSIDE_ALLOCATION = Reason(
+    "NpuHeldOutsideAllocation",
+    Status.FAIL,
+    "a pod holds the chip's /dev/davinciN although the device plugin's ledger (the kubelet's PodResources API) "
+    "allocated the chip to no pod, or to another pod (both are named); vNPUs and Volcano's huawei.com/AscendReal "
+    "are followed",
+    "delete the pod that holds the chip without an allocation (a privileged debug pod that mounts /dev, a job a "
+    "second scheduler placed without the device plugin): the next job the plugin gives the chip to fails with "
+    "-8020 / davinci already in use",
+)
+NPU_DEVICE_PLUGIN_UNHEALTHY = Reason(
+    "DevicePluginUnhealthy",
+    Status.WARN,
+    "the device plugin no longer offers the chip (absent from the kubelet's GetAllocatableResources: it marked it "
+    "unhealthy), shown beside the agent's own verdict on the chip; the status is npu.device_plugin_unhealthy_status",
+    "the plugin keeps jobs off the chip already: if the agent finds the chip healthy, read the device plugin's log "
+    "(it lost the chip, or its health check disagrees); if both find it unhealthy, drain the node and reset the chip",
+    also=(Status.FAIL,),
+)
+POD_RESOURCES_UNAVAILABLE = Reason(
+    "PodResourcesUnavailable",
+    Status.UNKNOWN,
+    "the kubelet's PodResources API did not answer within kubernetes.pod_resources_timeout_seconds, answered an "
+    "error (UNAVAILABLE, RESOURCE_EXHAUSTED) or sent what is not a ledger; the holder checks stand without it",
+    "check the kubelet (`systemctl status kubelet`), the socket kubernetes.pod_resources_socket and the DaemonSet's "
+    "pod-resources mount; the message names the error",
+)
 
 REASONS = (
     NPU_SMI_FAILED,
@@ -137,6 +165,9 @@ REASONS = (
     NPU_HELD_OUT_OF_BAND,
     NPU_SHARED_BY_PODS,
     NPU_HOLDER_SCAN_FAILED,
+    NPU_HELD_OUTSIDE_ALLOCATION,
+    NPU_DEVICE_PLUGIN_UNHEALTHY,
+    POD_RESOURCES_UNAVAILABLE,
 )
 _BY_CODE = {reason.code: reason for reason in REASONS}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from probes.base import Family, register_family
+from probes.family import Family, register_family
 from probes.pcie.config import PcieConfig
 
 FAMILY = register_family(

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from probes.base import PositiveSeconds, Section
+from probes.family import PositiveSeconds, Section
 
 
 class PcieConfig(Section):

@@ -164,8 +164,15 @@ def expected_link(function: PciFunction, links: Mapping[str, LinkState]) -> tupl
     return width, speed, partner_address
 
 
+def series_labels(address: str) -> dict[str, str]:
+    """`pci_bus_id`, in the form npu-smi prints and npu-exporter labels (`0000:C1:00.0`, upper-case hex), so the
+    PCIe series join the NPU series and npu-exporter's without label_replace. Messages and subjects keep the
+    kernel's form (`0000:c1:00.0`), which lspci and sysfs take."""
+    return {"pci_bus_id": address.upper()}
+
+
 def link_samples(address: str, link: LinkState) -> list[Sample]:
-    labels = {"device": address}
+    labels = series_labels(address)
     out = [
         Sample("nodehealth_pcie_link_width_lanes", "Negotiated PCIe link width", float(link.width or 0), labels),
         Sample("nodehealth_pcie_link_max_width_lanes", "Maximum PCIe link width", float(link.max_width or 0), labels),
@@ -288,7 +295,7 @@ class PcieProbe(Probe):
                 "nodehealth_pcie_aer_errors_total",
                 "PCIe AER errors the kernel counted for a PCI function since boot, by severity",
                 float(totals[severity]),
-                {"device": function.address, "severity": severity},
+                {**series_labels(function.address), "severity": severity},
                 kind="counter",
             )
             for severity in SEVERITIES

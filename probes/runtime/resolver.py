@@ -286,6 +286,65 @@ def parse_hosts_file(text: str) -> dict[str, list[str]]:
     return names
 
 
+# --- names the way the host's C library finds them (NSS) ------------------------------------------------
+
+NSS_FILES = "files"  # /etc/hosts
+NSS_DNS = "dns"
+# No nsswitch.conf, or no hosts line in it: /etc/hosts, then DNS (what every distribution ships).
+DEFAULT_HOSTS_ORDER = (NSS_FILES, NSS_DNS)
+# A hosts file or nsswitch.conf larger than this is read only this far.
+MAX_NAME_FILE_BYTES = 1 << 20
+# NSS services and what they consult: systemd-resolved's `resolve` reads /etc/hosts itself, then asks DNS.
+_NSS_SERVICES = {"files": (NSS_FILES,), "dns": (NSS_DNS,), "resolve": (NSS_FILES, NSS_DNS)}
+
+
+def parse_nsswitch_hosts(text: str) -> tuple[str, ...] | None:
+    """The `hosts:` line of nsswitch.conf → which of /etc/hosts ("files") and DNS ("dns") it consults, in
+    order (mdns, myhostname and other services left out; `[NOTFOUND=return]` actions ignored); None when the
+    file has no hosts line."""
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        key, sep, rest = line.partition(":")
+        if not sep or key.strip() != "hosts":
+            continue
+        order: list[str] = []
+        for word in rest.split():
+            for service in _NSS_SERVICES.get(word.lower(), ()):
+                if service not in order:
+                    order.append(service)
+        return tuple(order)
+    return None
+
+
+@dataclass(frozen=True)
+class HostNames:
+    """How the host's C library finds a name (what chronyd, ntpd or timesyncd get from getaddrinfo): the host's
+    /etc/hosts and DNS, in the order of its nsswitch.conf."""
+
+    hosts: dict[str, list[str]]
+    order: tuple[str, ...]
+
+    def from_hosts_file(self, name: str) -> list[str]:
+        return self.hosts.get(name.lower(), []) if NSS_FILES in self.order else []
+
+
+def _read_bounded(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(MAX_NAME_FILE_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def host_names(paths: HostPaths) -> HostNames:
+    """The host's /etc/hosts and nsswitch.conf hosts order, read under the host root (missing files: no hosts
+    entries, the default order)."""
+    nsswitch = _read_bounded(paths.root_path("/etc/nsswitch.conf"))
+    order = parse_nsswitch_hosts(nsswitch) if nsswitch is not None else None
+    hosts = _read_bounded(paths.root_path("/etc/hosts"))
+    return HostNames(parse_hosts_file(hosts) if hosts else {}, DEFAULT_HOSTS_ORDER if order is None else order)
+
+
 def is_ip_address(text: str) -> bool:
     try:
         ipaddress.ip_address(text)

@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from probes.base import Check, Finding, ProbeContext, Reason, Status
-from probes.runtime.children import ChildResult
-from probes.runtime.paths import normalize_host_path
+from probes.base import Check, Finding, ProbeContext, ProbeParseError, Reason, Status
+from probes.runtime.children import ChildResult, statvfs_in_child
+from probes.runtime.paths import normalize_host_path, resolve_under
+from probes.storage.mounttable import MountEntry, mount_containing, read_mount_table
+from probes.text import escape
 
 HINT_FULL = "clean caches and old checkpoints (du -xsh PATH/* | sort -h), or grow the disk"
 HINT_INODES = "millions of small files: remove extracted datasets or caches with many files, or grow the inode table"
@@ -31,6 +33,19 @@ MOUNT_HUNG = Reason(
     "blocks every job touching it until it is remounted",
 )
 MOUNT_STALE = Reason("MountStale", Status.FAIL, "stale file handle (ESTALE, errno 116)", HINT_REMOUNT)
+HINT_DEAD = (
+    "the FUSE daemon serving {path} is gone (killed, OOM-killed or crashed) and the kernel cannot reach it: "
+    "detach the dead mount (fusermount -uz {path}, or umount -l {path}), then remount the share (mount {path}, or "
+    "restart its mount service: juicefs, s3fs, sshfs, the CSI node plugin); jobs with files open under it must "
+    "restart"
+)
+MOUNT_DEAD = Reason(
+    "MountDead",
+    Status.FAIL,
+    "the filesystem's connection is gone: ENOTCONN (errno 107, 'Transport endpoint is not connected') or "
+    "ECONNABORTED, or EIO from a FUSE filesystem: its daemon died and every access fails",
+    HINT_DEAD.format(path="PATH"),
+)
 PATH_MISSING = Reason(
     "PathMissing",
     Status.FAIL,
@@ -64,13 +79,56 @@ INODES_EXHAUSTED = Reason(
     HINT_INODES,
 )
 # Every probe that runs filesystem calls in children can say these.
-CHILD_REASONS: tuple[Reason, ...] = (MOUNT_HUNG, MOUNT_STALE, PATH_MISSING, STAT_FAILED, DEADLINE_EXHAUSTED)
+CHILD_REASONS: tuple[Reason, ...] = (
+    MOUNT_HUNG,
+    MOUNT_STALE,
+    MOUNT_DEAD,
+    PATH_MISSING,
+    STAT_FAILED,
+    DEADLINE_EXHAUSTED,
+)
+# The errnos of a filesystem whose server side is gone: a dead FUSE daemon (ENOTCONN once the connection is
+# aborted, ECONNABORTED for a request in flight at that moment).
+DEAD_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
+
+
+def is_dead_mount(number: int | None, fstype: str | None) -> bool:
+    """Whether an errno says the filesystem's daemon is gone: ENOTCONN/ECONNABORTED anywhere, or EIO on a FUSE
+    filesystem (a daemon that died mid-request, or one whose backend connection is lost, answers EIO)."""
+    if number in DEAD_ERRNOS:
+        return True
+    return number == errno.EIO and fstype is not None and fstype_is_fuse(fstype)
+
+
+def fstype_is_fuse(fstype: str) -> bool:
+    return fstype in ("fuse", "fuseblk") or fstype.startswith("fuse.")
+
+
+def dead_mount_finding(
+    check: Check, subject: str, path: str, number: int | None, fstype: str | None, observed: Mapping[str, Any]
+) -> Finding:
+    """MountDead: what failed, on which filesystem, and how to detach and remount it (`path`: the mount point
+    when known, else the configured path)."""
+    on = f" ({fstype})" if fstype else ""
+    message = (
+        f"{safe_text(subject)}: {errno_label(number)} on {safe_text(path)}{on}: the filesystem's daemon is gone, "
+        "every access fails"
+    )
+    return check.report(MOUNT_DEAD, subject, message, observed, hint=HINT_DEAD.format(path=safe_text(path)))
 
 
 def child_error_finding(
-    check: Check, subject: str, result: ChildResult, extra: Mapping[str, Any] | None = None
+    check: Check,
+    subject: str,
+    result: ChildResult,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    mount: tuple[str, str] | None = None,
 ) -> Finding:
-    """A filesystem call that did not answer or failed, in the vocabulary shared by the storage checks."""
+    """A filesystem call that did not answer or failed, in the vocabulary shared by the storage checks.
+
+    `mount` is (mount point, fstype) of the filesystem the call went to, when known: EIO there is MountDead
+    only on FUSE, and the hint names the mount point to detach."""
     observed: dict[str, Any] = {"duration_seconds": round(result.duration, 3), **(extra or {})}
     shown = safe_text(subject)
     if result.state == "deadline":
@@ -78,11 +136,40 @@ def child_error_finding(
     if result.hung:
         return check.report(MOUNT_HUNG, subject, f"{shown} did not answer: {result.error}", observed)
     observed["errno"] = result.errno
+    if is_dead_mount(result.errno, mount[1] if mount else None):
+        point, fstype = mount if mount else (subject, None)
+        return dead_mount_finding(check, subject, point, result.errno, fstype, observed)
     if result.errno == errno.ESTALE:
         return check.report(MOUNT_STALE, subject, f"{shown}: stale file handle (ESTALE, errno 116)", observed)
     if result.errno == errno.ENOENT:
         return check.report(PATH_MISSING, subject, f"{shown} does not exist", observed)
     return check.report(STAT_FAILED, subject, f"{shown}: {result.error}", observed)
+
+
+def path_failure_finding(
+    ctx: ProbeContext,
+    check: Check,
+    subject: str,
+    path: str,
+    result: ChildResult,
+    extra: Mapping[str, Any] | None = None,
+) -> Finding:
+    """child_error_finding for a call on the host path `path`: when the errno may mean a dead filesystem, the
+    host mount table tells which mount it is on (and whether it is FUSE)."""
+    mount = None
+    if result.state == "error" and (result.errno in DEAD_ERRNOS or result.errno == errno.EIO):
+        entry = mount_entry_of(ctx, path)
+        mount = (entry.mount_point, entry.fstype) if entry else None
+    return child_error_finding(check, subject, result, extra, mount=mount)
+
+
+def mount_entry_of(ctx: ProbeContext, path: str) -> MountEntry | None:
+    """The host mount `path` lies on, from the mount table (never touching the mount); None when the table
+    cannot be read."""
+    try:
+        return mount_containing(read_mount_table(ctx), path)
+    except (OSError, ProbeParseError):
+        return None
 
 
 # --- child calls within the probe's deadline -------------------------------------------------------
@@ -148,6 +235,17 @@ def run_child_calls(ctx: ProbeContext, calls: Sequence[ChildCall], reserve: floa
 # --- small helpers ---------------------------------------------------------------------------------
 
 
+def agent_path_in_child(root: str, path: str) -> str:
+    """Runs in a child: where the agent reaches the host path `path`, its symlinks resolved inside the host root
+    `root` (an absolute link target is the host's, not the agent's)."""
+    return os.path.join(root, resolve_under(root, path).lstrip("/"))
+
+
+def statvfs_resolved_in_child(root: str, path: str) -> dict[str, int]:
+    """Runs in a child: statvfs of a host path, resolved inside the host root."""
+    return statvfs_in_child(agent_path_in_child(root, path))
+
+
 def errno_label(number: int | None) -> str:
     """`EDQUOT (errno 122, Disk quota exceeded)`."""
     if number is None:
@@ -162,17 +260,5 @@ def path_is_under(path: str, top: str) -> bool:
     return top == "/" or path == top or path.startswith(top + "/")
 
 
-def safe_text(text: str) -> str:
-    """`text` with control characters (newlines, escapes, line separators, undecodable bytes) escaped, so a
-    file name chosen by anyone who can write a lock directory cannot forge log lines or messages."""
-    if text.isprintable():
-        return text
-    out = []
-    for char in text:
-        if char.isprintable():
-            out.append(char)
-        elif ord(char) < 0x100:
-            out.append(f"\\x{ord(char):02x}")
-        else:
-            out.append(f"\\u{ord(char):04x}")
-    return "".join(out)
+# A file name chosen by anyone who can write a lock directory cannot forge log lines or messages.
+safe_text = escape

@@ -6,7 +6,7 @@ import os
 
 from pydantic import Field, model_validator
 
-from probes.base import Percent, PositiveSeconds, Section
+from probes.family import Percent, PositiveSeconds, Section
 
 
 class MountSpec(Section):
@@ -17,8 +17,10 @@ class MountSpec(Section):
 
 class WriteProbeSpec(Section):
     path: str
-    uid: int = Field(0, ge=0)
-    gid: int = Field(0, ge=0)
+    # None: storage.write_uid / write_gid. Write as the uid the jobs run as: root bypasses quota hard limits
+    # and writes into the blocks ext4 reserves for it, so a probe as root passes where the job gets ENOSPC.
+    uid: int | None = Field(None, ge=0)
+    gid: int | None = Field(None, ge=0)
     bytes: int = Field(65536, ge=1)
 
 
@@ -48,6 +50,10 @@ class StorageConfig(Section):
     mounts: list[MountSpec] = []
     mount_timeout_seconds: PositiveSeconds = 5.0
     write_probes: list[WriteProbeSpec] = []
+    # The uid and gid of the write probes that name none: the uid the jobs run as (e.g. 1000). 0 (root)
+    # passes where the jobs do not: quota hard limits and ext4's reserved blocks do not apply to root.
+    write_uid: int = Field(0, ge=0)
+    write_gid: int = Field(0, ge=0)
     # One write (N bytes + fsync + close) may take a while on a busy NFS server.
     write_timeout_seconds: PositiveSeconds = 10.0
     space: list[SpaceSpec] = [SpaceSpec(path="/")]
@@ -62,8 +68,9 @@ class StorageConfig(Section):
     # File names (fnmatch) of existence-style locks (torch FileBaton: the file's existence is the lock).
     # Other lock files are flock-style unless they hold a SoftFileLock record ("<pid>\n<hostname>").
     baton_lock_names: list[str] = ["lock"]
-    # While stale locks exist: py-spy up to this many sleeping Python processes to find those waiting on
-    # them (ProcessWaitingOnFileBaton); 0 turns it off. py-spy pauses each process for a moment.
+    # While stale locks, old unlocked lock files or held flocks exist: py-spy up to this many Python processes
+    # seen polling, to find those waiting (ProcessWaitingOnFileBaton, StaleFileLock, LockHeldByHungProcess);
+    # 0 turns it off. py-spy pauses each process for a moment.
     lock_waiter_max_processes: int = Field(8, ge=0)
     # The py-spy command, every element kept: ["nsenter", "-t", "1", "-m", "--", "py-spy"] runs the host's
     # ([]: plain py-spy).
@@ -106,6 +113,13 @@ class StorageConfig(Section):
     lock_walk_max_entries: int = Field(100_000, ge=1)
     model_caches: list[ModelCacheSpec] = []
     model_cache_timeout_seconds: PositiveSeconds = 10.0
+
+    def write_ids(self, spec: WriteProbeSpec) -> tuple[int, int]:
+        """The uid and gid a write probe runs as: its own, else write_uid / write_gid."""
+        return (
+            self.write_uid if spec.uid is None else spec.uid,
+            self.write_gid if spec.gid is None else spec.gid,
+        )
 
     @model_validator(mode="after")
     def _unique_subjects(self) -> StorageConfig:

@@ -23,8 +23,8 @@ STALE_FILE_BATON = Reason(
     Status.FAIL,
     "a node-local lock file (on the host or inside a container) older than stale_lock_age_seconds that no "
     "process on this node holds",
-    "every job that builds or loads this torch extension (or model) waits on it forever: remove the file "
-    "(rm PATH) or set storage.remove_stale_locks: true",
+    "every job that builds or loads this torch extension (or model) waits on it forever: remove the file the "
+    "finding names (rm <its path>) or set storage.remove_stale_locks: true",
 )
 STALE_LOCK_SHARED = Reason(
     "StaleLockShared",
@@ -68,6 +68,7 @@ class LockFile:
     mtime_ns: int
     style: str  # baton, soft, flock; "" when not a regular file
     fstype: str = ""
+    shared: bool = False  # on a filesystem where a holder may sit on another node (set when judged)
     not_removed: str = ""
 
     @property
@@ -106,6 +107,10 @@ class Group:
     stale_local: list[LockFile] = field(default_factory=list)
     stale_shared: list[LockFile] = field(default_factory=list)
     removed: list[LockFile] = field(default_factory=list)
+    locked: list[LockFile] = field(default_factory=list)  # flock-style files /proc/locks shows locked
+    # Old flock-style files that nothing locks nor holds open: harmless, unless a process polls one (an empty
+    # SoftFileLock left by filelock <= 3.13): storage.locks then looks for pollers.
+    unclaimed: list[LockFile] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     needs_scan: bool = False
 
@@ -141,6 +146,8 @@ class Evidence:
     now: float
     stale_age: float
     shared_fstypes: Sequence[str]
+    # Whether the open-files scan covered the old unlocked flock-style files too (done while a process polls).
+    unclaimed_scanned: bool = False
 
 
 def judge(group: Group, evidence: Evidence, table: Sequence[MountEntry] | None) -> None:
@@ -150,10 +157,7 @@ def judge(group: Group, evidence: Evidence, table: Sequence[MountEntry] | None) 
             group.count("not_regular")  # a symlink named like a lock is never followed nor judged
             continue
         if lock.style == "flock":
-            # A flock-style file means nothing once its holder is gone: only /proc/locks tells.
-            group.count("flock_locked" if lock.proc_locks_key in evidence.locked else "flock_unlocked")
-            if lock.proc_locks_key in evidence.waiting:
-                group.count("flock_waiters")
+            judge_flock_style(group, lock, evidence, table)
             continue
         if not is_candidate(lock, evidence.now, evidence.stale_age):
             group.count("young")
@@ -164,10 +168,38 @@ def judge(group: Group, evidence: Evidence, table: Sequence[MountEntry] | None) 
         if evidence.holders.get(lock.inode_key):
             group.count("held")
             continue
-        mount = mount_containing(table, lock.path, lock.dev) if table else None
-        lock.fstype = mount.fstype if mount else "unknown"
-        shared = mount is None or fstype_matches(mount.fstype, evidence.shared_fstypes)
-        (group.stale_shared if shared else group.stale_local).append(lock)
+        (group.stale_shared if on_shared_filesystem(lock, evidence, table) else group.stale_local).append(lock)
+
+
+def judge_flock_style(group: Group, lock: LockFile, evidence: Evidence, table: Sequence[MountEntry] | None) -> None:
+    """A flock-style file means nothing once its holder is gone: /proc/locks tells whether it is locked. An old
+    unlocked one that no process holds open is kept as unclaimed (an empty SoftFileLock looks the same)."""
+    locked = lock.proc_locks_key in evidence.locked
+    group.count("flock_locked" if locked else "flock_unlocked")
+    if lock.proc_locks_key in evidence.waiting:
+        group.count("flock_waiters")
+    if locked:
+        group.locked.append(lock)
+        return
+    old = evidence.now - lock.mtime >= evidence.stale_age
+    if old and evidence.unclaimed_scanned and not evidence.scan_error and not evidence.holders.get(lock.inode_key):
+        on_shared_filesystem(lock, evidence, table)
+        group.unclaimed.append(lock)
+
+
+def is_unclaimed_candidate(lock: LockFile, locked: Collection[tuple[int, int, int]], now: float, age: float) -> bool:
+    """An old, regular, flock-style file /proc/locks does not show locked: worth the open-files scan while a
+    process polls."""
+    return lock.regular and lock.style == "flock" and lock.proc_locks_key not in locked and now - lock.mtime >= age
+
+
+def on_shared_filesystem(lock: LockFile, evidence: Evidence, table: Sequence[MountEntry] | None) -> bool:
+    """Whether the lock lies on a filesystem where a holder may sit on another node (or an unknown one); sets
+    the lock's fstype."""
+    mount = mount_containing(table, lock.path, lock.dev) if table else None
+    lock.fstype = mount.fstype if mount else "unknown"
+    lock.shared = mount is None or fstype_matches(mount.fstype, evidence.shared_fstypes)
+    return lock.shared
 
 
 def path_list(locks: Sequence[LockFile], limit: int = 3) -> str:
@@ -210,7 +242,15 @@ def host_group_finding(group: Group, evidence: Evidence, unreadable: int) -> Fin
             f"{len(group.stale_local)} stale lock(s) with no holder on this node, older than {age:g}s: "
             f"{path_list(group.stale_local)}{partial}"
         )
-        return LOCKS.report(STALE_FILE_BATON, subject, message, observed)
+        removal = "; ".join(f"rm {safe_text(lock.path)}" for lock in group.stale_local[:3])
+        more = (
+            f" and the {len(group.stale_local) - 3} more in observed.stale_local" if len(group.stale_local) > 3 else ""
+        )
+        hint = (
+            "every job that builds or loads this torch extension (or model) waits on it forever: remove it "
+            f"({removal}{more}) or set storage.remove_stale_locks: true"
+        )
+        return LOCKS.report(STALE_FILE_BATON, subject, message, observed, hint=hint)
     if group.removed:
         # The reconciler turns the event into a Kubernetes event on the Node: a deletion is always told.
         message = f"removed {len(group.removed)} stale node-local lock(s): {path_list(group.removed)}{partial}"
@@ -233,6 +273,8 @@ def host_group_finding(group: Group, evidence: Evidence, unreadable: int) -> Fin
         f"no stale locks ({counts.get('held', 0)} held, {counts.get('young', 0)} recent, "
         f"{counts.get('flock_locked', 0)} flock-locked, {counts.get('flock_unlocked', 0)} unlocked flock files)"
     )
+    if counts.get("own_subject"):
+        message = f"{counts['own_subject']} lock(s) reported under their own subject; otherwise {message}"
     return LOCKS.ok(subject, message, observed)
 
 

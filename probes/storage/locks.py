@@ -21,13 +21,13 @@ from probes.storage.common import (
     ChildCall,
     child_error_finding,
     item_timeout,
+    path_failure_finding,
     reserve_seconds,
     run_child_calls,
-    safe_text,
 )
 from probes.storage.config import StorageConfig
 from probes.storage.containers import MountNamespace, NamespaceCensus, container_namespaces
-from probes.storage.lockfiles import parse_proc_locks, split_glob
+from probes.storage.lockfiles import LockRecord, parse_proc_locks, split_glob
 from probes.storage.lockfindings import (
     LOCK_SCAN_FAILED,
     LOCK_SCAN_INCOMPLETE,
@@ -40,20 +40,29 @@ from probes.storage.lockfindings import (
     container_lock_findings,
     container_lock_subject,
     host_group_finding,
-    host_side_path,
     incomplete_text,
     is_candidate,
+    is_unclaimed_candidate,
     judge,
     lock_files,
+)
+from probes.storage.lockleftovers import (
+    LEFTOVER_REASONS,
+    HolderWatch,
+    HungLock,
+    holders_of,
+    leftover_findings,
+    removal,
 )
 from probes.storage.lockremoval import remove_stale
 from probes.storage.lockwalk import SOFT_SHARE, WalkPlan, glob_parts, walk_in_child, walk_namespace_in_child
 from probes.storage.mounttable import MountEntry, read_mount_table
 from probes.storage.waiters import (
     LOCK_WAITER_CHECK_UNAVAILABLE,
+    POLLING_WINDOW,
     PROCESS_WAITING_ON_FILE_BATON,
     StaleLock,
-    waiter_findings,
+    lock_waiter_candidates,
 )
 
 # Shares of what the run has left: the walks may take this much, then the open-files scan this much of
@@ -102,6 +111,7 @@ class LocksProbe(Probe):
         LOCK_WAITER_CHECK_UNAVAILABLE,
         LOCK_SCAN_FAILED,
         LOCK_SCAN_INCOMPLETE,
+        *LEFTOVER_REASONS,
         *CHILD_REASONS,
     )
     default_interval = 60.0
@@ -113,6 +123,7 @@ class LocksProbe(Probe):
 
     def __init__(self) -> None:
         self._removed_total: dict[tuple[str, str], int] = {}  # (scope, glob) → locks removed since start
+        self._holders = HolderWatch()  # whether flock holders make progress, from run to run
 
     def applicable(self, ctx: ProbeContext) -> str | None:
         # Two lists feed this probe: it applies while either has a glob (skip_when_empty needs all of them).
@@ -131,23 +142,23 @@ class LocksProbe(Probe):
         walked = self._walk(ctx, settings, census)
         groups = [group for item in walked for group in item.groups]
         drop_seen_on_host(groups)
-        evidence, unreadable = self._evidence(ctx, settings, groups)
+        records = parse_proc_locks(ctx.host.proc_path("locks").read_text(errors="replace"))
+        pollers = self._pollers(ctx, settings, groups, records)
+        evidence, unreadable = self._evidence(ctx, settings, groups, records, bool(pollers))
         tables: dict[int, list[MountEntry] | None] = {}
         for group in groups:
             judge(group, evidence, self._table(ctx, group.namespace, tables))
         if settings.remove_stale_locks:
             for group in groups:
                 self._count_removed(group, remove_stale(ctx, group, settings.locks_timeout_seconds))
+        hung = self._hung_holders(ctx, groups, records)
+        stale = stale_locks(ctx, groups)
+        leftovers = leftover_findings(ctx, settings, groups, evidence, stale, pollers, hung)
         out: ProbeOutput = []
-        out += self._host_findings(walked, evidence, unreadable)
+        out += self._host_findings(ctx, walked, evidence, unreadable)
         if census is not None:
             out += self._container_findings(ctx, walked, evidence, census)
-        stale = stale_locks(ctx, groups)
-        if stale and settings.lock_waiter_max_processes:
-            command, limit = settings.py_spy_command or ["py-spy"], settings.lock_waiter_max_processes
-            out += waiter_findings(ctx, command, limit, stale, reserve_seconds(ctx))
-        out += self._samples(settings, groups)
-        return out
+        return out + leftovers + self._samples(settings, groups)
 
     # --- phases ------------------------------------------------------------------------------------
 
@@ -178,15 +189,24 @@ class LocksProbe(Probe):
         results = run_child_calls(ctx, calls, reserve)
         return [Walked(globs, roots, ns, result) for (globs, roots, ns), result in zip(items, results, strict=True)]
 
-    def _evidence(self, ctx: ProbeContext, settings: StorageConfig, groups: list[Group]) -> tuple[Evidence, int]:
-        """/proc/locks, and who holds the old existence-style locks (one /proc/*/fd scan for all of them)."""
-        records = parse_proc_locks(ctx.host.proc_path("locks").read_text(errors="replace"))
+    def _evidence(
+        self,
+        ctx: ProbeContext,
+        settings: StorageConfig,
+        groups: list[Group],
+        records: list[LockRecord],
+        unclaimed: bool,
+    ) -> tuple[Evidence, int]:
+        """/proc/locks, and who holds the old existence-style locks (one /proc/*/fd scan for all of them); with
+        `unclaimed` (a process polls), the old unlocked flock-style files too."""
         now = time.time()
+        age = settings.stale_lock_age_seconds
+        locked = {r.file_key for r in records if not r.blocked}
         candidates = {
             lock.inode_key
             for group in groups
             for lock in group.files
-            if is_candidate(lock, now, settings.stale_lock_age_seconds)
+            if is_candidate(lock, now, age) or (unclaimed and is_unclaimed_candidate(lock, locked, now, age))
         }
         holders: dict[tuple[int, int], list[int]] = {}
         scan_error = ""
@@ -202,13 +222,14 @@ class LocksProbe(Probe):
                 for match in scan.matches:
                     holders.setdefault((match.key[1], match.key[2]), []).append(match.pid)
         evidence = Evidence(
-            locked={r.file_key for r in records if not r.blocked},
+            locked=locked,
             waiting={r.file_key for r in records if r.blocked},
             holders=holders,
             scan_error=scan_error,
             now=now,
-            stale_age=settings.stale_lock_age_seconds,
+            stale_age=age,
             shared_fstypes=tuple(settings.shared_fstypes),
+            unclaimed_scanned=unclaimed,
         )
         return evidence, unreadable
 
@@ -232,15 +253,58 @@ class LocksProbe(Probe):
         key = ("containers" if group.namespace else "host", group.glob)
         self._removed_total[key] = self._removed_total.get(key, 0) + removed
 
+    def _hung_holders(self, ctx: ProbeContext, groups: list[Group], records: list[LockRecord]) -> list[HungLock]:
+        """Flock-style lock files whose holder is stopped or made no progress since the previous run."""
+        locked = {r.file_key for r in records if not r.blocked}
+        held = [
+            (group, lock)
+            for group in groups
+            for lock in group.files
+            if lock.regular and lock.style == "flock" and lock.proc_locks_key in locked
+        ]
+        why = self._holders.hung(ctx.host.proc, {pid for _, lock in held for pid in holders_of(records, lock)[0]})
+        out = []
+        for group, lock in held:
+            holders, blocked = holders_of(records, lock)
+            hung = [pid for pid in holders if pid in why]
+            if hung:
+                out.append(HungLock(group, lock, hung[0], why[hung[0]], blocked))
+        return out
+
+    def _pollers(
+        self, ctx: ProbeContext, settings: StorageConfig, groups: list[Group], records: list[LockRecord]
+    ) -> list[int] | None:
+        """Python processes seen polling, the candidates of the waiter check: looked for only while a process
+        could wait on something here (an old existence-style lock, an old unlocked lock file, which an empty
+        SoftFileLock looks like, or a held flock); None when nothing could be waited on."""
+        if not settings.lock_waiter_max_processes:
+            return None
+        now, age = time.time(), settings.stale_lock_age_seconds
+        locked = {r.file_key for r in records if not r.blocked}
+        watched = [
+            group
+            for group in groups
+            for lock in group.files
+            if is_candidate(lock, now, age)
+            or is_unclaimed_candidate(lock, locked, now, age)
+            or lock.proc_locks_key in locked
+        ]
+        if not watched:
+            return None
+        prefer = {group.namespace.namespace for group in watched if group.namespace}
+        return lock_waiter_candidates(ctx.host.proc, settings.lock_waiter_max_processes, prefer, POLLING_WINDOW)
+
     # --- findings ----------------------------------------------------------------------------------
 
-    def _host_findings(self, walked: list[Walked], evidence: Evidence, unreadable: int) -> ProbeOutput:
+    def _host_findings(
+        self, ctx: ProbeContext, walked: list[Walked], evidence: Evidence, unreadable: int
+    ) -> ProbeOutput:
         out: ProbeOutput = []
         for item in walked:
             if item.namespace is not None:
                 continue
             if not item.result.ok:
-                out.append(child_error_finding(LOCKS, item.subject, item.result))
+                out.append(path_failure_finding(ctx, LOCKS, item.subject, item.roots[0], item.result))
                 continue
             out += [host_group_finding(group, evidence, unreadable) for group in item.groups]
         return out
@@ -342,12 +406,7 @@ def stale_locks(ctx: ProbeContext, groups: list[Group]) -> list[StaleLock]:
     out = []
     for group in groups:
         for lock in (*group.stale_local, *group.stale_shared):
-            if group.namespace is None:
-                hint = f"rm {safe_text(lock.path)}"
-                out.append(StaleLock(f"{group.glob} waiters", lock.path, None, hint, lock.inode_key))
-                continue
-            subject = f"{container_lock_subject(group.namespace, lock)} waiters"
-            host_path = safe_text(host_side_path(str(ctx.host.proc), group.namespace, lock))
-            hint = f"rm {safe_text(lock.path)} in the container, or rm {host_path} on the node"
-            out.append(StaleLock(subject, lock.path, group.namespace.namespace, hint, lock.inode_key))
+            where = group.glob if group.namespace is None else container_lock_subject(group.namespace, lock)
+            namespace = group.namespace.namespace if group.namespace else None
+            out.append(StaleLock(f"{where} waiters", lock.path, namespace, removal(ctx, group, lock), lock.inode_key))
     return out

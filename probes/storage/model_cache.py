@@ -6,18 +6,19 @@ import contextlib
 import json
 import os
 import re
+import stat
 from typing import Any
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
-from probes.runtime.paths import normalize_host_path
+from probes.runtime.paths import normalize_host_path, resolve_under
 from probes.storage.common import (
     CHILD_REASONS,
     ChildCall,
-    child_error_finding,
+    path_failure_finding,
     path_is_under,
     run_child_calls,
 )
-from probes.storage.config import ModelCacheSpec, StorageConfig
+from probes.storage.config import ModelCacheSpec, MountSpec, StorageConfig
 from probes.storage.mounts import mount_table_finding
 from probes.storage.mounttable import MountEntry, mount_at, read_mount_table
 
@@ -62,14 +63,25 @@ def hub_repo_folder(repo_id: str) -> str:
     return "models--" + repo_id.replace("/", "--")
 
 
-def inspect_model_cache_in_child(cache_dir: str, repo_id: str, revision: str) -> dict[str, Any]:
+def _is_dir(path: str) -> bool:
+    """Runs in the child: whether `path` is a directory; False when it does not exist. Any other error (a dead
+    or stale mount: ENOTCONN, ESTALE, EIO) is raised, never taken for a missing cache."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def inspect_model_cache_in_child(root: str, cache_dir: str, repo_id: str, revision: str) -> dict[str, Any]:
     """Runs in a child: is the snapshot of repo_id@revision complete in a Hugging Face hub cache?
 
+    `cache_dir` is a host path, resolved inside the host root `root` first (it may be a symlink into a mount).
     Layout: <cache>/models--org--name/{refs/<branch> → commit, snapshots/<commit>/<file> → ../../blobs/<hash>,
     blobs/<hash>[.incomplete]}. Returns {"missing": why} or the lists of problems found.
     """
+    cache_dir = os.path.join(root, resolve_under(root, cache_dir).lstrip("/"))
     repo_dir = os.path.join(cache_dir, hub_repo_folder(repo_id))
-    if not os.path.isdir(repo_dir):
+    if not _is_dir(repo_dir):
         return {"missing": f"no {hub_repo_folder(repo_id)} in the cache"}
     commit = revision
     try:
@@ -79,7 +91,7 @@ def inspect_model_cache_in_child(cache_dir: str, repo_id: str, revision: str) ->
         if not _COMMIT_HASH.match(revision):
             return {"missing": f"no ref {revision!r} (refs/{revision})"}
     snapshot = os.path.join(repo_dir, "snapshots", commit)
-    if not os.path.isdir(snapshot):
+    if not _is_dir(snapshot):
         return {"missing": f"no snapshot {commit}", "commit": commit}
     found = _walk_snapshot(snapshot)
     partial_blobs: list[str] = []
@@ -97,6 +109,12 @@ def inspect_model_cache_in_child(cache_dir: str, repo_id: str, revision: str) ->
     }
 
 
+def _raise_unless_gone(exc: OSError) -> None:
+    """os.walk's error handler, in the child: a directory that vanished is skipped; a dead mount is raised."""
+    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        raise exc
+
+
 def _walk_snapshot(snapshot: str) -> dict[str, Any]:
     """Runs in the child: the snapshot's files, links to missing or partial blobs, and shards its indexes name."""
     files = 0
@@ -104,7 +122,7 @@ def _walk_snapshot(snapshot: str) -> dict[str, Any]:
     incomplete: list[str] = []
     present: set[str] = set()
     index_files: list[str] = []
-    for dirpath, _dirnames, filenames in os.walk(snapshot):
+    for dirpath, _dirnames, filenames in os.walk(snapshot, onerror=_raise_unless_gone):
         for name in filenames:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, snapshot)
@@ -169,15 +187,18 @@ def model_cache_finding(subject: str, spec: ModelCacheSpec, info: dict[str, Any]
     return MODEL_CACHE.ok(subject, f"{what} in {spec.cache_dir}: {info['files']} files, complete", observed)
 
 
-def unmounted_share_finding(
-    subject: str, spec: ModelCacheSpec, settings: StorageConfig, table: list[MountEntry]
-) -> Finding | None:
-    """ModelCacheMountMissing when the cache lies under a configured mount that is missing or wrong."""
+def share_of(spec: ModelCacheSpec, settings: StorageConfig) -> MountSpec | None:
+    """The configured mount (storage.mounts) the cache lies under, the innermost one; None when none."""
     shares = [mount for mount in settings.mounts if path_is_under(spec.cache_dir, mount.path)]
-    if not shares:
-        return None
-    share = max(shares, key=lambda mount: len(normalize_host_path(mount.path)))
-    problem = mount_table_finding(share, mount_at(table, share.path))
+    return max(shares, key=lambda mount: len(normalize_host_path(mount.path))) if shares else None
+
+
+def unmounted_share_finding(
+    subject: str, spec: ModelCacheSpec, share: MountSpec, table: list[MountEntry], target: str
+) -> Finding | None:
+    """ModelCacheMountMissing when the cache lies under a configured mount that is missing or wrong (`target`:
+    the share's path with its symlinks resolved)."""
+    problem = mount_table_finding(share, mount_at(table, target), target)
     if problem is None:
         return None
     message = f"{spec.cache_dir} lies under {share.path}, which is not the expected mount: {problem.message}"
@@ -205,19 +226,13 @@ class ModelCacheProbe(Probe):
 
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(StorageConfig)
-        unmounted: dict[str, Finding] = {}
-        if any(path_is_under(s.cache_dir, m.path) for s in settings.model_caches for m in settings.mounts):
-            table = read_mount_table(ctx)
-            for spec in settings.model_caches:
-                finding = unmounted_share_finding(cache_subject(spec), spec, settings, table)
-                if finding is not None:
-                    unmounted[finding.subject] = finding
+        unmounted = self._unmounted_shares(ctx, settings)
         to_inspect = [spec for spec in settings.model_caches if cache_subject(spec) not in unmounted]
         calls = [
             ChildCall(
                 f"model-cache:{cache_subject(spec)}",
                 inspect_model_cache_in_child,
-                (str(ctx.host.root_path(spec.cache_dir)), spec.repo_id, spec.revision),
+                (str(ctx.host.root), normalize_host_path(spec.cache_dir), spec.repo_id, spec.revision),
                 settings.model_cache_timeout_seconds,
             )
             for spec in to_inspect
@@ -232,7 +247,7 @@ class ModelCacheProbe(Probe):
             elif result.ok:
                 finding = model_cache_finding(subject, spec, result.value)
             else:
-                finding = child_error_finding(MODEL_CACHE, subject, result)
+                finding = path_failure_finding(ctx, MODEL_CACHE, subject, spec.cache_dir, result)
             out.append(finding)
             out.append(
                 Sample(
@@ -243,3 +258,37 @@ class ModelCacheProbe(Probe):
                 )
             )
         return out
+
+    def _unmounted_shares(self, ctx: ProbeContext, settings: StorageConfig) -> dict[str, Finding]:
+        """ModelCacheMountMissing by cache subject, for caches under a configured mount that is not mounted as
+        expected. A share path that is not itself in the mount table is resolved inside the host root first (in
+        a child: a symlink's target may be a hung mount); one that cannot be resolved is left to the cache's own
+        inspection, which then meets the same error."""
+        shares = {cache_subject(spec): (spec, share_of(spec, settings)) for spec in settings.model_caches}
+        if not any(share for _, share in shares.values()):
+            return {}
+        table = read_mount_table(ctx)
+        to_resolve = sorted(
+            {
+                normalize_host_path(share.path)
+                for _, share in shares.values()
+                if share is not None and mount_at(table, share.path) is None
+            }
+        )
+        calls = [
+            ChildCall(f"resolve:{path}", resolve_under, (str(ctx.host.root), path), settings.mount_timeout_seconds)
+            for path in to_resolve
+        ]
+        resolved = {path: result for path, result in zip(to_resolve, run_child_calls(ctx, calls), strict=True)}
+        unmounted: dict[str, Finding] = {}
+        for subject, (spec, share) in shares.items():
+            if share is None:
+                continue
+            path = normalize_host_path(share.path)
+            result = resolved.get(path)
+            if result is not None and not result.ok:
+                continue
+            finding = unmounted_share_finding(subject, spec, share, table, result.value if result else path)
+            if finding is not None:
+                unmounted[subject] = finding
+        return unmounted

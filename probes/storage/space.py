@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
-from probes.runtime.children import statvfs_in_child
 from probes.runtime.paths import normalize_host_path
 from probes.storage.common import (
     CHILD_REASONS,
@@ -12,8 +11,9 @@ from probes.storage.common import (
     HINT_INODES,
     INODES_EXHAUSTED,
     ChildCall,
-    child_error_finding,
+    path_failure_finding,
     run_child_calls,
+    statvfs_resolved_in_child,
 )
 from probes.storage.config import SpaceSpec, StorageConfig
 
@@ -92,8 +92,8 @@ class SpaceProbe(Probe):
         calls = [
             ChildCall(
                 f"statvfs:{normalize_host_path(spec.path)}",
-                statvfs_in_child,
-                (str(ctx.host.root_path(spec.path)),),
+                statvfs_resolved_in_child,
+                (str(ctx.host.root), normalize_host_path(spec.path)),
                 settings.space_timeout_seconds,
             )
             for spec in settings.space
@@ -101,7 +101,7 @@ class SpaceProbe(Probe):
         out: ProbeOutput = []
         for spec, result in zip(settings.space, run_child_calls(ctx, calls), strict=True):
             if not result.ok:
-                out.append(child_error_finding(SPACE, spec.path, result))
+                out.append(path_failure_finding(ctx, SPACE, spec.path, spec.path, result))
                 continue
             out.append(space_finding(spec.path, result.value, spec))
             out.extend(space_samples(spec.path, result.value, result.duration))

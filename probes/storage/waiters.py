@@ -1,4 +1,5 @@
-"""Processes waiting on a stale lock: sleeping Python processes, dumped with py-spy and classified.
+"""Processes waiting on a lock: Python processes seen polling (a thread in time.sleep that keeps waking up),
+dumped with py-spy and classified.
 
 Waiters are named by PID, executable name and pod/container; their command lines (other tenants' secrets
 can be in them) only when the operator turned `redact_cmdlines` off.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +28,8 @@ PROCESS_WAITING_ON_FILE_BATON = Reason(
     Status.FAIL,
     "a process on this node (on the host or in a container) is stuck in FileBaton.wait() (or a lock-file poll) "
     "on a stale lock; it is named by PID, executable and pod",
-    "remove the stale lock (rm PATH) and the waiting job continues; node-health diagnose PID shows the stack",
+    "remove the stale lock (rm <its path>, which the finding names) and the waiting job continues; node-health "
+    "diagnose PID shows the stack",
 )
 LOCK_WAITER_CHECK_UNAVAILABLE = Reason(
     "LockWaiterCheckUnavailable",
@@ -39,11 +42,19 @@ LOCK_WAITER_CHECK_UNAVAILABLE = Reason(
 
 # Process names of Python jobs as /proc/PID/comm shows them (torch renames its main thread pt_main_thread).
 _PYTHON_COMMS = ("python", "pt_main_thread", "torchrun", "accelerate", "deepspeed")
-# Kernel wait channels of a process sleeping in time.sleep() between checks of the lock.
-_SLEEP_WCHANS = ("hrtimer_nanosleep", "do_nanosleep", "clock_nanosleep", "0", "")
 _DUMP_SECONDS = 3.0
 # States (field 3 of /proc/PID/stat) of a process that polls a lock: sleeping between checks, or checking.
 _POLLING_STATES = ("S", "R")
+# Polling detection: at most this many candidates sampled (a node may run hundreds of data-loader workers), and
+# this many threads of each (two reads of a status file per thread).
+_MAX_SAMPLED = 1024
+_MAX_THREADS = 32
+# How long the wake-ups of candidates are watched when only pollers are wanted (filelock polls every 50 ms,
+# FileBaton every 100 ms).
+POLLING_WINDOW = 0.5
+# A poller wakes up this often within the window at least (filelock 10 times, FileBaton 5); a thread that merely
+# fell asleep as the first sample was taken may count once.
+POLLING_MIN_WAKEUPS = 2
 # py-spy errors that mean it may not read processes at all (no CAP_SYS_PTRACE), not that one process vanished.
 _DENIED = ("permission denied", "operation not permitted")
 
@@ -57,6 +68,9 @@ class StaleLock:
     namespace: str | None  # the container's mount namespace; None for a host lock
     remove_hint: str  # what to remove, for the hint
     inode_key: tuple[int, int]  # (st_dev, st_ino)
+    # stale: a FileBaton/SoftFileLock judged stale (its waiters: ProcessWaitingOnFileBaton); unclaimed: an old,
+    # unlocked lock file nobody holds (a poller makes it a StaleFileLock); hung: a flock whose holder is hung.
+    kind: str = "stale"
 
 
 def read_text_or_empty(path: Any) -> str:
@@ -67,9 +81,16 @@ def read_text_or_empty(path: Any) -> str:
         return ""
 
 
-def lock_waiter_candidates(proc: Any, limit: int, prefer: Collection[str] = ()) -> list[int]:
-    """Sleeping Python processes that may be polling a lock file (FileBaton.wait sleeps between checks),
-    those in the mount namespaces `prefer` (containers with stale locks) first."""
+def lock_waiter_candidates(
+    proc: Any, limit: int, prefer: Collection[str] = (), polling_window: float = POLLING_WINDOW
+) -> list[int]:
+    """Python processes seen polling, as lock waiters do (FileBaton.wait and filelock's acquire sleep between
+    tries): a thread of theirs sleeping in nanosleep woke up (voluntary context switches) within
+    `polling_window` seconds; those in the mount namespaces `prefer` (containers with stale locks) and the
+    newest sampled first, the most wake-ups first. Cheap, and it leaves out idle daemons and busy training
+    processes alike, so py-spy (which pauses a process) is spent on likely waiters only. Zombies, stopped
+    processes and those in uninterruptible I/O poll nothing.
+    """
     found: list[tuple[bool, int]] = []
     me = os.getpid()
     for pid in list_pids(proc):
@@ -79,9 +100,6 @@ def lock_waiter_candidates(proc: Any, limit: int, prefer: Collection[str] = ()) 
         if not comm.startswith(_PYTHON_COMMS):
             continue
         if state_of(read_text_or_empty(os.path.join(proc, str(pid), "stat"))) not in _POLLING_STATES:
-            continue  # a zombie, a stopped process, or one in uninterruptible I/O polls nothing
-        wchan = read_text_or_empty(os.path.join(proc, str(pid), "wchan")).strip()
-        if wchan not in _SLEEP_WCHANS:
             continue
         namespace = None
         if prefer:
@@ -90,7 +108,50 @@ def lock_waiter_candidates(proc: Any, limit: int, prefer: Collection[str] = ()) 
             except OSError:
                 namespace = None
         found.append((namespace not in prefer, pid))
-    return [pid for _, pid in sorted(found)[:limit]]
+    newest = sorted(found, key=lambda item: (item[0], -item[1]))[:_MAX_SAMPLED]
+    woke = polling(proc, [pid for _, pid in newest], polling_window)
+    preferred = {pid for not_preferred, pid in newest if not not_preferred}
+    return sorted(woke, key=lambda pid: pid not in preferred)[:limit]
+
+
+def thread_samples(proc: Any, pid: int) -> dict[str, tuple[bool, int]] | None:
+    """Per thread (at most _MAX_THREADS): whether it sleeps in nanosleep (time.sleep, where a lock poller waits
+    between tries) and its voluntary context switches; None when the process is gone."""
+    task_dir = os.path.join(proc, str(pid), "task")
+    try:
+        tids = sorted(os.listdir(task_dir), key=lambda tid: int(tid) if tid.isdigit() else 0)[:_MAX_THREADS]
+    except OSError:
+        return None
+    samples: dict[str, tuple[bool, int]] = {}
+    for tid in tids:
+        sleeping = "nanosleep" in read_text_or_empty(os.path.join(task_dir, tid, "wchan"))
+        for line in read_text_or_empty(os.path.join(task_dir, tid, "status")).splitlines():
+            fields = line.split()
+            if line.startswith("voluntary_ctxt_switches:") and len(fields) == 2 and fields[1].isdigit():
+                samples[tid] = (sleeping, int(fields[1]))
+    return samples
+
+
+def polling(proc: Any, pids: Sequence[int], window: float) -> list[int]:
+    """The processes among `pids` with a thread seen sleeping in nanosleep (at either of two samples `window`
+    seconds apart) that woke up at least POLLING_MIN_WAKEUPS times in between, most wake-ups first: a loop
+    around time.sleep, as lock pollers are. Busy threads, threads blocked on I/O, locks or a condition, and long
+    sleepers do not count. Two samples, so that a poller caught running (or waiting for a CPU) still counts."""
+    before = {pid: thread_samples(proc, pid) for pid in pids}
+    time.sleep(window)
+    rates: list[tuple[int, int]] = []
+    for pid, first in before.items():
+        after = thread_samples(proc, pid) if first else None
+        if not first or not after:
+            continue
+        woke = 0
+        for tid, (slept, count) in first.items():
+            now_sleeping, now_count = after.get(tid, (False, count))
+            if (slept or now_sleeping) and now_count - count >= POLLING_MIN_WAKEUPS:
+                woke += now_count - count
+        if woke:
+            rates.append((-woke, pid))
+    return [pid for _, pid in sorted(rates)]
 
 
 def stat_key_in_child(path: str) -> tuple[int, int]:
@@ -133,9 +194,10 @@ def match_waited_lock(
     return next((lock for lock in host_locks if result.ok and result.value == lock.inode_key), None)
 
 
-def _waiter(ctx: ProbeContext, pid: int, lock: StaleLock) -> dict[str, Any]:
+def describe_process(ctx: ProbeContext, pid: int, lock_path: str) -> dict[str, Any]:
+    """A waiter (or holder) by PID, executable and pod/container; its command line only when not redacted."""
     info = process_info(ctx.host.proc, pid, with_command=not ctx.redact_cmdlines)
-    entry: dict[str, Any] = {"pid": pid, "exe": info.comm if info else "?", "lock": lock.path}
+    entry: dict[str, Any] = {"pid": pid, "exe": info.comm if info else "?", "lock": lock_path}
     if info is not None and info.cgroup.kind in ("pod", "container"):
         entry.update({"pod_uid": info.cgroup.pod_uid, "container_id": info.cgroup.container_id})
         entry["owner"] = info.cgroup.describe()
@@ -144,7 +206,7 @@ def _waiter(ctx: ProbeContext, pid: int, lock: StaleLock) -> dict[str, Any]:
     return entry
 
 
-def _describe(waiter: dict[str, Any]) -> str:
+def describe_waiter(waiter: dict[str, Any]) -> str:
     parts = [safe_text(waiter["exe"])]
     if waiter.get("owner"):
         parts.append(waiter["owner"])
@@ -159,17 +221,22 @@ def py_spy_missing(command: Sequence[str]) -> str:
 
 
 def find_waiters(
-    ctx: ProbeContext, command: Sequence[str], limit: int, stale: Sequence[StaleLock], reserve: float
+    ctx: ProbeContext,
+    command: Sequence[str],
+    limit: int,
+    watched: Sequence[StaleLock],
+    reserve: float,
+    candidates: Sequence[int],
 ) -> tuple[dict[str, list[dict[str, Any]]], str]:
-    """Waiters by subject, and why the check could not be done ("" when it could)."""
+    """Waiters by the subject of the lock they wait on, and why the check could not be done ("" when it could).
+    `candidates`: the processes to dump, up to `limit` (lock_waiter_candidates)."""
     missing = py_spy_missing(command)
     if missing:
         return {}, missing
-    prefer = {lock.namespace for lock in stale if lock.namespace}
     waiters: dict[str, list[dict[str, Any]]] = {}
     denied: list[str] = []
     dumped = 0
-    for pid in lock_waiter_candidates(ctx.host.proc, limit, prefer):
+    for pid in list(candidates)[:limit]:
         budget = min(_DUMP_SECONDS, ctx.remaining(0.0) - reserve)
         if budget < 0.5:
             break
@@ -183,20 +250,22 @@ def find_waiters(
         dumped += 1
         if diagnosis.kind not in (FILEBATON_WAIT, LOCK_WAIT):
             continue
-        lock = match_waited_lock(ctx, pid, diagnosis.lock_path or "", stale, reserve)
+        lock = match_waited_lock(ctx, pid, diagnosis.lock_path or "", watched, reserve)
         if lock is not None:
-            waiters.setdefault(lock.subject, []).append(_waiter(ctx, pid, lock))
+            waiters.setdefault(lock.subject, []).append(describe_process(ctx, pid, lock.path))
     if denied and not dumped:
         return waiters, f"py-spy may not read the processes: {denied[0]}"
     return waiters, ""
 
 
-def waiter_findings(
-    ctx: ProbeContext, command: Sequence[str], limit: int, stale: Sequence[StaleLock], reserve: float
+def baton_waiter_findings(
+    stale: Sequence[StaleLock],
+    waiters: dict[str, list[dict[str, Any]]],
+    unavailable: str,
+    command: Sequence[str],
 ) -> list[Finding]:
     """ProcessWaitingOnFileBaton per stale lock subject with waiters, or LockWaiterCheckUnavailable for
     every stale lock subject when py-spy cannot be used."""
-    waiters, unavailable = find_waiters(ctx, command, limit, stale, reserve)
     findings = []
     if unavailable:
         for subject in dict.fromkeys(lock.subject for lock in stale):
@@ -206,8 +275,10 @@ def waiter_findings(
             )
     by_subject = {lock.subject: lock for lock in stale}
     for subject, found in waiters.items():
-        names = ", ".join(_describe(waiter) for waiter in found[:5])
-        lock = by_subject[subject]
+        lock = by_subject.get(subject)
+        if lock is None:
+            continue  # a waiter on another kind of lock: reported with that lock
+        names = ", ".join(describe_waiter(waiter) for waiter in found[:5])
         message = f"{len(found)} process(es) waiting on stale lock {safe_text(found[0]['lock'])}: {names}"
         hint = (
             f"the lock has no holder: remove it ({lock.remove_hint}) and the waiting job continues; "

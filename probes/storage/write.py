@@ -13,7 +13,17 @@ import os
 import re
 from typing import Any
 
-from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
+from probes.base import (
+    Check,
+    Finding,
+    Probe,
+    ProbeContext,
+    ProbeOutput,
+    Reason,
+    Sample,
+    Status,
+    register,
+)
 from probes.runtime.paths import normalize_host_path
 from probes.storage.common import (
     CHILD_REASONS,
@@ -22,22 +32,28 @@ from probes.storage.common import (
     MOUNT_STALE,
     PATH_MISSING,
     ChildCall,
-    child_error_finding,
+    agent_path_in_child,
+    dead_mount_finding,
     errno_label,
+    is_dead_mount,
+    mount_entry_of,
+    path_failure_finding,
     run_child_calls,
 )
 from probes.storage.config import StorageConfig, WriteProbeSpec
+from probes.storage.mounttable import MountEntry
+from probes.storage.quota import QuotaKind, quota_facts_in_child, quota_kind
 
 WRITE = Check("storage.write")
-HINT_QUOTA = (
-    "uid {uid} is over its quota here: delete your own old files (checkpoints, caches, logs) or ask the storage "
-    "admins for more quota (`quota -s -u {uid}`, `lfs quota -u {uid} PATH`)"
-)
 DISK_QUOTA_EXCEEDED = Reason(
     "DiskQuotaExceeded",
     Status.FAIL,
-    "EDQUOT (errno 122) writing as the job's uid, at write, fsync or close",
-    HINT_QUOTA.format(uid="UID"),
+    "EDQUOT (errno 122) writing as the job's uid, at write, fsync or close; the hint says which quota (user, "
+    "group, project, btrfs qgroup) where the filesystem tells, else how to see each",
+    "a quota is used up for the job's uid, gid or the directory's project: delete your own old files "
+    "(checkpoints, caches, logs) or ask the storage admins for more; see which with `quota -s -u UID`, "
+    "`quota -s -g GID`, `repquota -P -s MOUNT` or `xfs_quota -x -c 'report -p -h' MOUNT` (project), "
+    "`btrfs qgroup show -reF PATH` (btrfs), `lfs quota -u/-g/-p` (Lustre)",
 )
 READ_ONLY_FILESYSTEM = Reason(
     "ReadOnlyFilesystem",
@@ -50,7 +66,7 @@ WRITE_DENIED = Reason(
     "WriteDenied",
     Status.WARN,
     "EACCES/EPERM creating the probe file as the job's uid/gid",
-    "fix the directory's owner or mode, or the probe's uid/gid (storage.write_probes)",
+    "fix the directory's owner or mode, or the probe's uid/gid (storage.write_probes, storage.write_uid / write_gid)",
 )
 WRITE_FAILED = Reason(
     "WriteFailed",
@@ -67,19 +83,23 @@ WRITE_PROBE_FAILED = Reason(
 _WRITE_CHUNK = 1 << 20
 
 
-def write_probe_in_child(directory: str, file_name: str, uid: int, gid: int, nbytes: int) -> dict[str, Any]:
-    """Runs in a child: become uid/gid, write nbytes to a new file, fsync, close, unlink.
+def write_probe_in_child(root: str, host_path: str, file_name: str, uid: int, gid: int, nbytes: int) -> dict[str, Any]:
+    """Runs in a child: resolve the host path inside the host root, become uid/gid, write nbytes to a new
+    file, fsync, close, unlink.
 
-    Returns {"stage", "errno", "error", "statvfs"} (stage "done" and errno None on success). As the job's
-    uid, not root: root bypasses quota hard limits (CAP_SYS_RESOURCE) and uses reserved blocks. NFS
+    Returns {"stage", "errno", "error", "statvfs", "quota"} (stage "done" and errno None on success). As the
+    job's uid, not root: root bypasses quota hard limits (CAP_SYS_RESOURCE) and uses reserved blocks. NFS
     reports ENOSPC/EDQUOT late (at fsync or close), so each stage is checked. Random bytes, because
     compressing filesystems (ZFS, btrfs) store zeros without allocating anything.
     """
-    stage = "switch to uid/gid"
-    path = os.path.join(directory, file_name)
+    stage = "resolve the path"
+    directory = path = ""
     fd = -1
     created = False
     try:
+        directory = agent_path_in_child(root, host_path)
+        path = os.path.join(directory, file_name)
+        stage = "switch to uid/gid"
         if (uid, gid) != (os.geteuid(), os.getegid()):
             os.setgroups([])
             os.setresgid(gid, gid, gid)
@@ -100,14 +120,20 @@ def write_probe_in_child(directory: str, file_name: str, uid: int, gid: int, nby
         stage = "unlink"
         os.unlink(path)
         created = False
-        return {"stage": "done", "errno": None, "error": "", "statvfs": None}
+        return {"stage": "done", "errno": None, "error": "", "statvfs": None, "quota": None}
     except OSError as exc:
         return _write_failure(exc, stage, directory, path, fd, created)
 
 
 def _write_failure(exc: OSError, stage: str, directory: str, path: str, fd: int, created: bool) -> dict[str, Any]:
     """Runs in the child: clean up after a failed stage and describe it (with statvfs after ENOSPC/EDQUOT)."""
-    result: dict[str, Any] = {"stage": stage, "errno": exc.errno, "error": exc.strerror or str(exc), "statvfs": None}
+    result: dict[str, Any] = {
+        "stage": stage,
+        "errno": exc.errno,
+        "error": exc.strerror or str(exc),
+        "statvfs": None,
+        "quota": None,
+    }
     if fd >= 0:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -118,12 +144,23 @@ def _write_failure(exc: OSError, stage: str, directory: str, path: str, fd: int,
         with contextlib.suppress(OSError):
             st = os.statvfs(directory)
             result["statvfs"] = {"bavail": st.f_bavail, "files": st.f_files, "favail": st.f_favail}
+    if exc.errno == errno.EDQUOT:
+        result["quota"] = quota_facts_in_child(directory)
     return result
 
 
-def write_finding(spec: WriteProbeSpec, outcome: dict[str, Any], duration: float) -> Finding:
-    """Classify one write probe's outcome (from write_probe_in_child)."""
-    path, uid, gid = spec.path, spec.uid, spec.gid
+def write_finding(
+    spec: WriteProbeSpec,
+    outcome: dict[str, Any],
+    duration: float,
+    *,
+    ids: tuple[int, int] | None = None,
+    mount: MountEntry | None = None,
+) -> Finding:
+    """Classify one write probe's outcome (from write_probe_in_child). `ids`: the uid and gid it ran as
+    (default: the spec's); `mount`: the host mount the directory is on, when known (which quota, FUSE)."""
+    path = spec.path
+    uid, gid = ids if ids is not None else (spec.uid or 0, spec.gid or 0)
     number = outcome.get("errno")
     stage = outcome.get("stage", "?")
     st = outcome.get("statvfs")
@@ -136,33 +173,56 @@ def write_finding(spec: WriteProbeSpec, outcome: dict[str, Any], duration: float
     observed.update({"errno": number, "errno_name": errno.errorcode.get(number, str(number)), "stage": stage})
     if st:
         observed.update({"free_inodes": st["favail"], "inodes": st["files"], "free_blocks": st["bavail"]})
+    if is_dead_mount(number, mount.fstype if mount else None):
+        point = mount.mount_point if mount else path
+        return dead_mount_finding(WRITE, path, point, number, mount.fstype if mount else None, observed)
     what = f"{path}: writing {spec.bytes} bytes as uid {uid}:{gid} failed at {stage} with {errno_label(number)}"
-    reason, hint = _classify(spec, number, stage, st)
+    if number == errno.EDQUOT:
+        kind = quota_of(path, uid, gid, outcome.get("quota") or {}, mount)
+        observed.update({"quota_kind": kind.kind or "unknown", "quota": kind.what})
+        return WRITE.report(DISK_QUOTA_EXCEEDED, path, f"{what}: {kind.what}", observed, hint=kind.hint())
+    reason, hint = _classify(spec, uid, gid, number, stage, st)
     return WRITE.report(reason, path, what, observed, hint=hint)
 
 
-def _classify(spec: WriteProbeSpec, number: int, stage: str, st: dict[str, int] | None) -> tuple[Reason, str | None]:
+def quota_of(path: str, uid: int, gid: int, facts: dict[str, Any], mount: MountEntry | None) -> QuotaKind:
+    options = f"{mount.options},{mount.super_options}" if mount else ""
+    return quota_kind(
+        path,
+        mount.mount_point if mount else path,
+        mount.fstype if mount else "",
+        options,
+        uid,
+        gid,
+        facts.get("project_id"),
+        facts.get("btrfs_subvolume"),
+    )
+
+
+def _classify(
+    spec: WriteProbeSpec, uid: int, gid: int, number: int, stage: str, st: dict[str, int] | None
+) -> tuple[Reason, str | None]:
     """The reason of a failed write, and a hint naming this probe's path and uid where that helps."""
     if stage == "switch to uid/gid":
         return WRITE_PROBE_FAILED, None
-    if number == errno.EDQUOT:
-        return DISK_QUOTA_EXCEEDED, HINT_QUOTA.format(uid=spec.uid)
     if number == errno.ENOSPC:
-        return (INODES_EXHAUSTED, None) if st and st["files"] > 0 and st["favail"] == 0 else (DISK_FULL, None)
+        if st and st["files"] > 0 and st["favail"] == 0:
+            return INODES_EXHAUSTED, None
+        return DISK_FULL, None
     if number == errno.EROFS:
         return READ_ONLY_FILESYSTEM, None
     if number == errno.ESTALE:
         return MOUNT_STALE, None
     if number == errno.ENOENT and stage == "open":
         hint = (
-            f"create {spec.path} writable by uid {spec.uid}, or fix storage.write_probes; a missing shared disk "
+            f"create {spec.path} writable by uid {uid}, or fix storage.write_probes; a missing shared disk "
             "looks like this"
         )
         return PATH_MISSING, hint
     if number in (errno.EACCES, errno.EPERM) and stage == "open":
         hint = (
-            f"uid {spec.uid}:{spec.gid} may not create files in {spec.path}: fix its owner or mode, or the "
-            "probe's uid/gid"
+            f"uid {uid}:{gid} may not create files in {spec.path}: fix its owner or mode, or the "
+            "probe's uid/gid (storage.write_probes, storage.write_uid / write_gid)"
         )
         return WRITE_DENIED, hint
     return WRITE_FAILED, None
@@ -196,11 +256,12 @@ class WriteProbe(Probe):
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(StorageConfig)
         file_name = write_probe_file_name(ctx.node_name)
+        root = str(ctx.host.root)
         calls = [
             ChildCall(
                 f"write:{normalize_host_path(spec.path)}",
                 write_probe_in_child,
-                (str(ctx.host.root_path(spec.path)), file_name, spec.uid, spec.gid, spec.bytes),
+                (root, normalize_host_path(spec.path), file_name, *settings.write_ids(spec), spec.bytes),
                 settings.write_timeout_seconds,
             )
             for spec in settings.write_probes
@@ -209,9 +270,11 @@ class WriteProbe(Probe):
         for spec, result in zip(settings.write_probes, run_child_calls(ctx, calls), strict=True):
             labels = {"path": spec.path}
             if not result.ok:
-                out += [child_error_finding(WRITE, spec.path, result), write_ok_sample(labels, False)]
+                out += [path_failure_finding(ctx, WRITE, spec.path, spec.path, result), write_ok_sample(labels, False)]
                 continue
-            finding = write_finding(spec, result.value, result.duration)
+            ids = settings.write_ids(spec)
+            mount = mount_entry_of(ctx, spec.path) if result.value.get("errno") is not None else None
+            finding = write_finding(spec, result.value, result.duration, ids=ids, mount=mount)
             out += [finding, write_ok_sample(labels, finding.status == Status.OK)]
             out.append(
                 Sample(

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import field_validator, model_validator
 
-from probes.base import PositiveSeconds, Section
+from probes.family import PositiveSeconds, Section
 from probes.runtime.addresses import split_host_port
 
 
@@ -21,6 +21,10 @@ class TimeConfig(Section):
     chronyc_timeout_seconds: PositiveSeconds = 2.0
     # Status of an unsynchronised kernel clock (ClockUnsynced), whatever the servers' offsets: warn or fail.
     unsynced_status: Literal["warn", "fail"] = "warn"
+    # time.sync is required on a node where NTP servers are configured (here or in the host's daemon): when none
+    # of them gives a usable answer (names resolve nowhere, no reply), its unknown findings block /ready.
+    # false: only when health.required_checks names time.sync. A node with no server has nothing to require.
+    required: bool = True
 
     @field_validator("ntp_servers")
     @classmethod

@@ -17,6 +17,9 @@ from probes.runtime.resolver import (
     DNS_KIND_TEXT,
     DNS_LIFETIME_HEADROOM,
     MIN_LIFETIME,
+    NSS_DNS,
+    NSS_FILES,
+    HostNames,
     ResolverSetup,
     is_ip_address,
     resolve_name,
@@ -123,40 +126,69 @@ class ServerResult:
     answer: SntpAnswer | None
     error: str = ""
     address: str = ""
+    resolved_from: str = ""  # "/etc/hosts" or "dns" for a name; "" for an address
+    # The name resolved nowhere (every source said so): the server was never asked.
+    unresolved: bool = False
 
 
-def _address(server: NtpServer, timeout: float, dns_setup: Callable[[], ResolverSetup], dns_timeout: float) -> str:
-    """The server's address: itself when it is one, else its first address from the host's resolver.
-    Raises SntpRejected when the name does not resolve."""
+@dataclass(frozen=True)
+class NameSources:
+    """How a server's name becomes an address: the host's /etc/hosts and DNS in its nsswitch.conf order, as
+    the host's time daemon resolves it (through the C library), DNS with the host's resolver."""
+
+    names: HostNames
+    dns_setup: Callable[[], ResolverSetup]
+    dns_timeout: float
+
+
+class Unresolved(SntpRejected):
+    """No source knows the name."""
+
+
+def _address(server: NtpServer, timeout: float, lookup: NameSources) -> tuple[str, str]:
+    """(the server's address, where it came from): itself when it is one, else the first source of the
+    lookup order that knows the name. Raises Unresolved naming what each source said."""
     if is_ip_address(server.host):
-        return server.host
-    setup = dns_setup()
-    if setup.resolver is None:
-        raise SntpRejected(f"cannot resolve {server.host}: {setup.error}")
-    lifetime = max(MIN_LIFETIME, timeout - DNS_LIFETIME_HEADROOM)
-    outcome = resolve_name(setup.new_resolver(), server.host, dns_timeout, lifetime)
-    if not outcome.ok:
-        raise SntpRejected(f"cannot resolve {server.host}: {DNS_KIND_TEXT[outcome.kind]}")
-    return outcome.addresses[0]
+        return server.host, ""
+    said: list[str] = []
+    for source in lookup.names.order:
+        if source == NSS_FILES:
+            found = lookup.names.from_hosts_file(server.host)
+            if found:
+                return found[0], "/etc/hosts"
+            said.append("not in /etc/hosts")
+        elif source == NSS_DNS:
+            setup = lookup.dns_setup()
+            if setup.resolver is None:
+                said.append(f"DNS: {setup.error}")
+                continue
+            lifetime = max(MIN_LIFETIME, timeout - DNS_LIFETIME_HEADROOM)
+            outcome = resolve_name(setup.new_resolver(), server.host, lookup.dns_timeout, lifetime)
+            if outcome.ok:
+                return outcome.addresses[0], NSS_DNS
+            said.append(f"DNS: {DNS_KIND_TEXT[outcome.kind]}")
+    if not said:
+        said.append("the host's nsswitch.conf consults neither /etc/hosts nor DNS")
+    raise Unresolved(f"cannot resolve {server.host}: {'; '.join(said)}")
 
 
-def query_server(
-    server: NtpServer, timeout: float, dns_setup: Callable[[], ResolverSetup], dns_timeout: float
-) -> ServerResult:
+def query_server(server: NtpServer, timeout: float, lookup: NameSources) -> ServerResult:
     """One server, name and exchange together bounded by `timeout`; never raises for the server's faults."""
     started = time.monotonic()
     try:
-        address = _address(server, timeout, dns_setup, dns_timeout)
-    except SntpRejected as exc:
-        return ServerResult(server, None, str(exc))
+        address, resolved_from = _address(server, timeout, lookup)
+    except Unresolved as exc:
+        return ServerResult(server, None, str(exc), unresolved=True)
     left = timeout - (time.monotonic() - started)
     if left <= 0.05:
-        return ServerResult(server, None, "no time left after resolving the name", address)
+        return ServerResult(server, None, "no time left after resolving the name", address, resolved_from)
     try:
-        return ServerResult(server, sntp_query(address, server.port, left), address=address)
+        return ServerResult(
+            server, sntp_query(address, server.port, left), address=address, resolved_from=resolved_from
+        )
     except TimeoutError:
-        return ServerResult(server, None, f"no answer within {left:.1f} s", address)
+        return ServerResult(server, None, f"no answer within {left:.1f} s", address, resolved_from)
     except SntpRejected as exc:
-        return ServerResult(server, None, str(exc), address)
+        return ServerResult(server, None, str(exc), address, resolved_from)
     except OSError as exc:
-        return ServerResult(server, None, f"{exc.strerror or exc}", address)
+        return ServerResult(server, None, f"{exc.strerror or exc}", address, resolved_from)

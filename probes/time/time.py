@@ -1,5 +1,8 @@
 """time.sync: is the kernel clock disciplined, and how far is it from the NTP servers.
 
+Server names are resolved as the host's time daemon resolves them, through the C library: the host's
+/etc/hosts and DNS in the order of its nsswitch.conf (probes/runtime/resolver.py `host_names`).
+
 Two separate questions, two kinds of findings:
 - subject `kernel`: the kernel's discipline state (adjtimex). Unsynchronised is ClockUnsynced with the
   status the operator chose (time.unsynced_status), whatever the servers say: nothing keeps the clock right.
@@ -15,13 +18,13 @@ from typing import Any
 
 from probes.base import PARSE_ERROR, Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
 from probes.runtime.parallel import run_parallel
-from probes.runtime.resolver import ResolverSetup, is_ip_address
+from probes.runtime.resolver import HostNames, ResolverSetup, host_names, is_ip_address
 from probes.time.chrony import chrony_tracking
 from probes.time.config import TimeConfig
 from probes.time.kernel_clock import KernelClock, read_kernel_clock
 from probes.time.ntp_sources import NtpSources, ntp_sources
 from probes.time.offsets import Kind, Verdict, judge_offsets
-from probes.time.sntp import ServerResult, query_server
+from probes.time.sntp import NameSources, ServerResult, query_server
 
 SYNC = Check("time.sync")
 
@@ -54,10 +57,18 @@ NTP_SERVERS_DISAGREE = Reason(
 NTP_NO_ANSWER = Reason(
     "NtpNoAnswer",
     Status.UNKNOWN,
-    "the server gave no usable answer: timeout, refused, name not resolved, kiss-of-death (stratum 0, e.g. "
-    "RATE, DENY), stratum 16, leap indicator 3, or an origin timestamp that does not echo our request",
+    "the server gave no usable answer: timeout, refused, name not resolved (in neither the host's /etc/hosts "
+    "nor DNS), kiss-of-death (stratum 0, e.g. RATE, DENY), stratum 16, leap indicator 3, or an origin timestamp "
+    "that does not echo our request. Unknown when no server answered (then it blocks /ready unless "
+    "time.required is false: nothing vouches for the clock), warn when another server did",
     "check the server is reachable over UDP 123 from this node and is itself synchronised; replace a server "
     "that sends kiss-of-death",
+    also=(Status.WARN,),
+)
+HINT_UNRESOLVED = (
+    "the host's time daemon cannot resolve {name} either: add it to the host's /etc/hosts (air-gapped clusters "
+    "often name their NTP servers only there) or to DNS, or configure its address (time.ntp_servers, or the "
+    "daemon's config)"
 )
 ADJTIMEX_FAILED = Reason(
     "AdjtimexFailed",
@@ -110,6 +121,8 @@ def server_observed(result: ServerResult) -> dict[str, Any]:
         observed["directive"] = result.server.directive
     if result.address:
         observed["address"] = result.address
+    if result.resolved_from:
+        observed["resolved_from"] = result.resolved_from
     answer = result.answer
     if answer is not None:
         observed.update(
@@ -125,13 +138,19 @@ def server_observed(result: ServerResult) -> dict[str, Any]:
     return observed
 
 
-def server_finding(result: ServerResult, verdict: Verdict | None) -> Finding:
+def server_finding(result: ServerResult, verdict: Verdict | None, others_answered: bool, required: bool) -> Finding:
+    """One server's finding. No usable answer is unknown (and `required`: it blocks readiness) when no server
+    answered, a warning when another one did (the clock is judged by those)."""
     subject = result.server.entry
     observed = server_observed(result)
     answer = result.answer
     if answer is None or verdict is None:
         message = f"no usable answer from NTP server {subject}: {result.error}"
-        return SYNC.report(NTP_NO_ANSWER, subject, message, observed)
+        hint = HINT_UNRESOLVED.format(name=result.server.host) if result.unresolved else None
+        if others_answered:
+            message += "; the clock is judged by the servers that answered"
+            return SYNC.report(NTP_NO_ANSWER, subject, message, observed, hint=hint, status=Status.WARN)
+        return SYNC.report(NTP_NO_ANSWER, subject, message, observed, hint=hint, required=required)
     magnitude = abs(answer.offset)
     direction = "behind" if answer.offset > 0 else "ahead of"
     text = f"clock {magnitude:.3f} s {direction} {subject} (stratum {answer.stratum})"
@@ -195,9 +214,11 @@ class TimeProbe(Probe):
         results = self._query(ctx, sources)
         answered = {r.server.entry: r.answer.offset for r in results if r.answer is not None}
         verdicts = judge_offsets(answered, settings.warn_offset_seconds, settings.fail_offset_seconds)
+        # Servers are configured, yet none gave a usable answer: nothing vouches for the clock (time.required).
+        required = settings.required and not answered
         out: ProbeOutput = []
         for result in results:
-            out.append(server_finding(result, verdicts.get(result.server.entry)))
+            out.append(server_finding(result, verdicts.get(result.server.entry), bool(answered), required))
             out.extend(server_samples(result))
         chrony, chrony_error = chrony_tracking(ctx)
         if chrony_error:
@@ -223,13 +244,13 @@ class TimeProbe(Probe):
                 resolver.append(host_resolver.setup(ctx.host.paths))
             return resolver[0]
 
-        if any(not is_ip_address(server.host) for server in sources.servers):
+        named = [server for server in sources.servers if not is_ip_address(server.host)]
+        names = host_names(ctx.host.paths) if named else HostNames({}, ())
+        if any(not names.from_hosts_file(server.host) for server in named):
             dns_setup()  # once, before the threads
+        lookup = NameSources(names, dns_setup, host_resolver.try_seconds)
         budget = max(0.1, min(settings.ntp_timeout_seconds, ctx.remaining() - QUERY_MARGIN))
-        jobs = [
-            (lambda server=server: query_server(server, budget, dns_setup, host_resolver.try_seconds))
-            for server in sources.servers
-        ]
+        jobs = [(lambda server=server: query_server(server, budget, lookup)) for server in sources.servers]
         results = run_parallel(jobs, min(budget + 0.5, ctx.remaining() - QUERY_MARGIN / 3))
         return [
             result or ServerResult(server, None, "the query did not finish in time")

@@ -45,6 +45,11 @@ def write(tmp_path: Path, text: str, name: str = "config.yaml") -> str:
         ("health: {fail_threshold: 0}\n", "health.fail_threshold"),
         ("- just\n- a list\n", "mapping"),
         ("http: {port: [unclosed\n", "YAML"),
+        # Kubernetes' own prefixes: cleanup removes every key under the prefix, kubelet's too.
+        ("kubernetes: {key_prefix: kubernetes.io}\n", "kubernetes.key_prefix"),
+        ("kubernetes: {key_prefix: node.kubernetes.io}\n", "kubernetes.key_prefix"),
+        ("kubernetes: {key_prefix: k8s.io}\n", "kubernetes.key_prefix"),
+        ("kubernetes: {key_prefix: health.x-k8s.k8s.io}\n", "kubernetes.key_prefix"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(
@@ -56,6 +61,11 @@ def test_bad_config_exits_2_naming_the_key(
     stderr = capsys.readouterr().err
     assert key in stderr
     assert "Traceback" not in stderr
+
+
+def test_a_prefix_that_only_looks_like_a_reserved_one_is_accepted() -> None:
+    for prefix in ("mykubernetes.io", "k8s.io.example.com", "health.example.com"):
+        assert parse_config({"kubernetes": {"key_prefix": prefix}}).kubernetes.key_prefix == prefix
 
 
 def test_allowed_values_are_named() -> None:
@@ -141,8 +151,9 @@ def test_daemon_reloads_config_on_change_and_sighup_and_stops_on_sigterm(tmp_pat
         status = json.loads(fetch(port, "/status"))
         assert status["agent"]["config_reloads"] == {"ok": 0, "error": 0}
 
-        # An invalid new config is rejected, counted, and the running config stays in force.
-        Path(config_path).write_text("http: {address: 127.0.0.1, port: 0}\nbogus: 1\n")
+        # An invalid new config is rejected, counted, and the running config stays in force. (An unknown key is
+        # not invalid for the daemon: tests/agent/test_config_compat.py.)
+        Path(config_path).write_text("http: {address: 127.0.0.1, port: 0}\nlogging: {level: bogus}\n")
         os.kill(proc.pid, signal.SIGHUP)
         deadline = time.monotonic() + 10
         while json.loads(fetch(port, "/status"))["agent"]["config_reloads"]["error"] < 1:

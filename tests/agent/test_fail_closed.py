@@ -25,7 +25,8 @@ from support.system import require_root
 
 from agent.config import parse_config
 from agent.daemon import Agent, raise_fd_limit
-from agent.state import PROBE_ERROR, PROBE_TIMEOUT, HealthState, ProbeSpec
+from agent.reasons import PROBE_ERROR, PROBE_TIMEOUT
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Status
 
 BROKEN = Reason("Broken", Status.FAIL, "the test's device is broken", "replace it")
@@ -42,7 +43,7 @@ class Clock:
 
 def make_state(fail: int = 2, recover: int = 2) -> HealthState:
     clock = Clock()
-    state = HealthState("n", fail, recover, 3.0, (), clock=clock, monotonic=clock)
+    state = HealthState("n", HealthSettings(fail, recover), clock=clock, monotonic=clock)
     state.configure([ProbeSpec("dev", ("host.device",), 10.0, 2.0)])
     return state
 
@@ -55,7 +56,7 @@ def ok(subject: str = "") -> Finding:
     return DEVICE.ok(subject, "fine")
 
 
-def unknown(reason: str = PROBE_ERROR, subject: str = "") -> Finding:
+def unknown(reason: str = PROBE_ERROR.code, subject: str = "") -> Finding:
     return Finding("host.device", subject, Status.UNKNOWN, reason, f"probe failed: {reason}")
 
 
@@ -67,7 +68,7 @@ def test_probe_error_and_timeout_never_replace_an_established_fail() -> None:
     state = make_state(fail=1, recover=2)
     state.record("dev", [fail()])
     assert not state.snapshot.ready
-    for reason, result in ((PROBE_ERROR, "error"), (PROBE_TIMEOUT, "timeout"), ("ScanFailed", "ok")):
+    for reason, result in ((PROBE_ERROR.code, "error"), (PROBE_TIMEOUT.code, "timeout"), ("ScanFailed", "ok")):
         state.record("dev", [unknown(reason)], result=result)
         snap = state.snapshot
         assert not snap.ready, f"{reason} made a failing node ready"
@@ -99,7 +100,7 @@ def test_unknowns_between_failures_neither_count_nor_reset_the_fail_streak() -> 
     state.record("dev", [ok()])
     state.record("dev", [fail()])
     assert state.snapshot.ready
-    state.record("dev", [unknown(PROBE_TIMEOUT)], result="timeout")
+    state.record("dev", [unknown(PROBE_TIMEOUT.code)], result="timeout")
     state.record("dev", [fail()])
     assert not state.snapshot.ready
     assert statuses(state)[""][:2] == ("fail", "Broken")
@@ -179,7 +180,7 @@ def test_a_probe_that_starts_raising_or_hanging_keeps_the_node_not_ready() -> No
     with running(config, {"test.flaky": FlakyDevice}) as agent:
         port = agent.http.port
         assert wait_for(lambda: [r["reason"] for r in get(port, "/ready")[1]["reasons"]] == ["Broken"])
-        for mode, reason in (("raise", PROBE_ERROR), ("hang", PROBE_TIMEOUT)):
+        for mode, reason in (("raise", PROBE_ERROR.code), ("hang", PROBE_TIMEOUT.code)):
             FlakyDevice.mode = mode
             seen = wait_for(
                 lambda r=reason: next(
@@ -234,7 +235,7 @@ def test_disk_full_stays_not_ready_with_agent_fds_past_1023(tmp_path: Path) -> N
                 assert [r["reason"] for r in body["reasons"]] == ["DiskFull"], body
                 time.sleep(0.5)
             findings = get(port, "/status")[1]["findings"]
-            assert all(f["reason"] != PROBE_ERROR for f in findings), findings
+            assert all(f["reason"] != PROBE_ERROR.code for f in findings), findings
     finally:
         for fd in held:
             os.close(fd)

@@ -7,10 +7,10 @@ import re
 import pytest
 from support.system import REPO
 
-from agent import http, httpserver, metrics
+from agent import http, httplimits, httpserver, httpwire, metrics, ready
 from agent.http import ready_text
-from agent.httpserver import FD_RESERVE, Limits
-from agent.state import Verdict
+from agent.httplimits import FD_RESERVE, MAX_CONNECTIONS, Limits
+from agent.snapshot import Verdict
 from probes.base import Finding, Status
 
 PAGE = REPO / "docs" / "http.md"
@@ -35,7 +35,7 @@ def stated_number(text: str) -> float:
 def code_value(name: str) -> float:
     if name in Limits.__dataclass_fields__:
         return float(getattr(Limits(), name))
-    for module in (http, httpserver, metrics):
+    for module in (http, httpserver, httplimits, httpwire, metrics, ready):
         if hasattr(module, name):
             return float(getattr(module, name))
     raise AssertionError(f"docs/http.md names {name}, which the code does not have")
@@ -50,24 +50,25 @@ def test_every_limit_in_the_docs_is_the_code_default() -> None:
         assert stated_number(stated) == code_value(name), name
     assert set(Limits.__dataclass_fields__) - {"sweep_every"} <= set(table), "a limit is missing from the docs"
     # The fd-derived ones: stated as their ceiling and formula.
-    assert table["max_connections"].startswith("4096") and f"RLIMIT_NOFILE - {FD_RESERVE}" in table["max_connections"]
+    assert table["max_connections"].startswith(str(MAX_CONNECTIONS))
+    assert f"RLIMIT_NOFILE - {FD_RESERVE}" in table["max_connections"]
     assert table["backlog"].startswith("1024") and f"(RLIMIT_NOFILE - {FD_RESERVE}) / 4" in table["backlog"]
 
 
 @pytest.mark.parametrize(
     ("soft", "connections", "backlog"),
-    [(1 << 20, 4096, 1024), (20000, 4096, 1024), (4096, 2880, 960), (1024, 576, 192), (300, 16, 64)],
+    [(1 << 20, 1024, 1024), (20000, 1024, 1024), (1500, 933, 311), (1024, 576, 192), (300, 16, 64)],
 )
 def test_the_fd_derived_limits_follow_the_stated_formula(soft: int, connections: int, backlog: int) -> None:
-    assert httpserver.default_backlog(soft) == backlog == max(64, min(1024, (soft - FD_RESERVE) // 4))
-    assert httpserver.default_max_connections(soft) == connections
-    assert connections == max(16, min(4096, soft - FD_RESERVE - backlog))
+    assert httplimits.default_backlog(soft) == backlog == max(64, min(1024, (soft - FD_RESERVE) // 4))
+    assert httplimits.default_max_connections(soft) == connections
+    assert connections == max(16, min(MAX_CONNECTIONS, soft - FD_RESERVE - backlog))
 
 
 def test_the_fd_derived_limits_in_force_here() -> None:
     limits = Limits()
-    assert limits.backlog == httpserver.default_backlog() <= 1024
-    assert limits.max_connections == httpserver.default_max_connections() <= 4096
+    assert limits.backlog == httplimits.default_backlog() <= 1024
+    assert limits.max_connections == httplimits.default_max_connections() <= MAX_CONNECTIONS
 
 
 def test_the_text_example_is_what_the_agent_writes() -> None:

@@ -24,7 +24,7 @@ from support.system import require
 from agent.http import MAX_LONG_POLLS, HttpServer
 from agent.httpserver import Limits
 from agent.metrics import MetricsRenderer
-from agent.state import HealthState, ProbeSpec
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Finding, Sample, Status
 
 pytestmark = pytest.mark.system
@@ -52,12 +52,12 @@ class Served:
 
 
 def serve(limits: Limits | None = None, ready: bool = True, samples: int = 0) -> Served:
-    state = HealthState("node-a", fail_threshold=1, recovery_threshold=1)
+    state = HealthState("node-a", HealthSettings(fail_threshold=1, recovery_threshold=1))
     state.configure([ProbeSpec("storage", ("storage.space",), 60.0, 5.0)])
     status = Status.OK if ready else Status.FAIL
     exported = [Sample("nodehealth_test_series", "A series.", float(i), {"i": str(i)}) for i in range(samples)]
     state.record("storage", [Finding("storage.space", "/data", status, "OK" if ready else "DiskFull", "x")], exported)
-    renderer = MetricsRenderer(lambda: state.snapshot)
+    renderer = MetricsRenderer(state.current)
     server = HttpServer(
         state,
         renderer.render,

@@ -163,9 +163,10 @@ def test_accept_errors_at_the_fd_limit_are_logged_at_a_bounded_rate(tmp_path: Pa
                     flood.append(connect(port, f"127.0.0.{2 + len(flood) % 8}"))
             time.sleep(0.1)
         text = log.read_text()
+        elapsed = time.monotonic() - started  # connect() waits while the listen queue is full: tens of seconds
         lines = [line for line in text.splitlines() if "out of system resource" in line]
         assert lines, "accept() never hit the fd limit: the test did not reproduce it"
-        assert len(lines) <= 2, lines  # one line per 10 s, however often accept() fails
+        assert len(lines) <= 1 + elapsed // 10, lines  # one line per 10 s, however often accept() fails
         assert len(text) < 20_000
         for sock in flood:
             sock.close()

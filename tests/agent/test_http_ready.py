@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 
-from agent.http import MAX_DEVICES, MAX_SELECTORS, TEXT_LINE_MAX, TEXT_REASONS_MAX, HttpServer
+from agent.http import TEXT_LINE_MAX, TEXT_REASONS_MAX, HttpServer
 from agent.metrics import MetricsRenderer
-from agent.state import HOST_MEM_BELOW_REQUEST, STALE, WARMING_UP, HealthState, ProbeSpec
+from agent.ready import MAX_DEVICES, MAX_SELECTORS
+from agent.reasons import HOST_MEM_BELOW_REQUEST, STALE, WARMING_UP
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import (
     OBSERVED_DEVICE_IDS,
     OBSERVED_HBM_FREE_MIB,
@@ -36,8 +38,8 @@ CHECKS = ("gpu.health", "host.memory", "storage.space")
 
 
 class Clock:
-    """The monotonic clock HealthState judges staleness by when it publishes, advanced by the test (readers
-    judge by the real one, which this starts at)."""
+    """The monotonic clock HealthState judges staleness by, when it publishes and when a reader asks for the
+    current snapshot; it starts at the real one and is advanced by the test."""
 
     def __init__(self) -> None:
         self.now = time.monotonic()
@@ -95,7 +97,7 @@ def host_memory(available_mib: float | None, hugepages_free: int | None = None) 
 @pytest.fixture
 def served() -> Iterator[Served]:
     clock = Clock()
-    state = HealthState("node-a", fail_threshold=1, recovery_threshold=1, monotonic=clock)
+    state = HealthState("node-a", HealthSettings(fail_threshold=1, recovery_threshold=1), monotonic=clock)
     state.configure(
         [
             ProbeSpec("gpu", ("gpu.health",), 10.0, 5.0),
@@ -105,7 +107,7 @@ def served() -> Iterator[Served]:
     )
     server = HttpServer(
         state,
-        MetricsRenderer(lambda: state.snapshot).render,
+        MetricsRenderer(state.current).render,
         lambda: (True, {"problems": []}),
         lambda: CHECKS,
         address="127.0.0.1",
@@ -166,7 +168,7 @@ def test_an_unknown_gpu_id_is_a_400_naming_it(served: Served) -> None:
 def test_an_unknown_gpu_id_while_gpu_results_are_unknown_is_not_ready(served: Served) -> None:
     # Warming up: the gpu probe has not named its devices yet, so the id may be one of them.
     stranger = "GPU-00000000-0000-0000-0000-00000000dead"
-    assert ("gpu.health", "", WARMING_UP) in served.reasons(f"/ready?devices={stranger}&checks=gpu")
+    assert ("gpu.health", "", WARMING_UP.code) in served.reasons(f"/ready?devices={stranger}&checks=gpu")
     # A gpu probe that timed out: same, its results name no device any more.
     served.state.record("gpu", [Finding("gpu.health", "", Status.UNKNOWN, "ProbeTimeout", "nvidia-smi hung")])
     served.state.record("host", host_memory(8000))
@@ -224,29 +226,29 @@ def test_min_host_mem_mib(served: Served) -> None:
     status, body = served.get_json("/ready?min_host_mem_mib=8000.5")
     assert status == 503
     (reason,) = body["reasons"]
-    assert (reason["check"], reason["status"], reason["reason"]) == ("host.memory", "fail", HOST_MEM_BELOW_REQUEST)
+    assert (reason["check"], reason["status"], reason["reason"]) == ("host.memory", "fail", HOST_MEM_BELOW_REQUEST.code)
     assert "8000 MiB" in reason["message"] and "8000.5 MiB" in reason["message"]
     # Whatever checks= and devices= select: the job asked for it explicitly.
     assert served.reasons("/ready?checks=storage&devices=1&min_host_mem_mib=9000") == [
-        ("host.memory", "", HOST_MEM_BELOW_REQUEST)
+        ("host.memory", "", HOST_MEM_BELOW_REQUEST.code)
     ]
 
 
 def test_min_hugepages(served: Served) -> None:
     feed_healthy_gpus(served, gpu0=Status.OK)
     assert served.get("/ready?min_hugepages=100")[0] == 200
-    assert served.reasons("/ready?min_hugepages=101") == [("host.memory", "hugepages", HOST_MEM_BELOW_REQUEST)]
+    assert served.reasons("/ready?min_hugepages=101") == [("host.memory", "hugepages", HOST_MEM_BELOW_REQUEST.code)]
     assert served.get("/ready?min_hugepages=100&min_host_mem_mib=100")[0] == 200
 
 
 def test_host_memory_not_known_fails_closed(served: Served) -> None:
     # 0 asks for nothing, known or not.
-    assert HOST_MEM_BELOW_REQUEST not in str(served.get_json("/ready?min_host_mem_mib=0&min_hugepages=0")[1])
+    assert HOST_MEM_BELOW_REQUEST.code not in str(served.get_json("/ready?min_host_mem_mib=0&min_hugepages=0")[1])
     # Warming up: nothing reported yet.
     status, body = served.get_json("/ready?checks=storage&min_host_mem_mib=1")
     assert status == 503
     assert [(r["reason"], r["status"]) for r in body["reasons"] if r["check"] == "host.memory"] == [
-        (HOST_MEM_BELOW_REQUEST, "unknown")
+        (HOST_MEM_BELOW_REQUEST.code, "unknown")
     ]
     # The host reports no hugepages at all (none reserved): min_hugepages cannot be vouched for.
     served.state.record("gpu", [gpu(0, Status.OK, [GPU_0])])
@@ -258,7 +260,7 @@ def test_host_memory_not_known_fails_closed(served: Served) -> None:
     assert "not known" in body["reasons"][0]["message"]
     # A skipped host probe (no value) and a stale one (an old value) are not known either.
     served.state.record("host", [Finding("host.memory", "", Status.SKIP, "NotApplicable", "disabled")], result="skip")
-    assert served.reasons("/ready?min_host_mem_mib=1") == [("host.memory", "", HOST_MEM_BELOW_REQUEST)]
+    assert served.reasons("/ready?min_host_mem_mib=1") == [("host.memory", "", HOST_MEM_BELOW_REQUEST.code)]
     timeout = Finding("host.memory", "", Status.UNKNOWN, "ProbeTimeout", "overran 5s")
     served.state.record("host", [timeout], result="timeout")
     status, body = served.get_json("/ready?checks=storage&min_host_mem_mib=1")
@@ -269,8 +271,8 @@ def test_host_memory_not_known_fails_closed(served: Served) -> None:
     status, body = served.get_json("/ready?checks=gpu&min_host_mem_mib=1")
     assert status == 503
     (reason,) = body["reasons"]
-    assert (reason["reason"], reason["status"]) == (HOST_MEM_BELOW_REQUEST, "unknown")
-    assert f"host.memory is {STALE}" in reason["message"]
+    assert (reason["reason"], reason["status"]) == (HOST_MEM_BELOW_REQUEST.code, "unknown")
+    assert f"host.memory is {STALE.code}" in reason["message"]
 
 
 def test_host_memory_not_configured_fails_closed(served: Served) -> None:
@@ -443,11 +445,11 @@ def test_long_polls_are_capped_and_released_when_clients_leave(served: Served) -
 
 
 def test_status_is_serialized_once_per_snapshot_and_shows_the_http_figures() -> None:
-    state = HealthState("node-a", fail_threshold=1, recovery_threshold=1)
+    state = HealthState("node-a", HealthSettings(fail_threshold=1, recovery_threshold=1))
     state.configure([ProbeSpec("storage", ("storage.space",), 60.0, 5.0)])
     state.record("storage", [Finding("storage.space", "/data", Status.OK, "OK", "40% used")])
     extra_calls: list[float] = []
-    renderer = MetricsRenderer(lambda: state.snapshot)
+    renderer = MetricsRenderer(state.current)
 
     def status_extra() -> dict[str, Any]:
         extra_calls.append(time.monotonic())
@@ -494,3 +496,21 @@ def test_the_other_endpoints_take_no_parameters_and_every_one_answers_head(serve
         assert (response.status, response.read()) == (status, b"")
         assert int(response.getheader("Content-Length") or 0) > 0
         connection.close()
+
+
+def test_cached_answers_turn_stale_when_nothing_is_published(served: Served) -> None:
+    """/ready without parameters is served from a body cached per snapshot, /status and /metrics per snapshot
+    too: past the results' limit, with the scheduler publishing nothing, each answers from the aged view."""
+    feed_healthy_gpus(served, gpu0=Status.OK)
+    for _ in range(2):  # the second answer comes from the cache
+        assert served.get("/ready")[0] == 200
+    assert served.get_json("/status")[1]["ready"] is True
+    assert "nodehealth_ready 1.0" in served.get("/metrics")[2]
+    version = served.state.snapshot.version
+    served.clock.now += 3 * 10.0 + 5.0 + 1.0
+    status, body = served.get_json("/ready")
+    assert status == 503 and {r["reason"] for r in body["reasons"]} == {STALE.code}
+    assert served.state.snapshot.version == version, "nothing was published meanwhile"
+    document = served.get_json("/status")[1]
+    assert document["ready"] is False and all(f.get("stale") for f in document["findings"])
+    assert "nodehealth_ready 0.0" in served.get("/metrics")[2]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from agent.state import HBM_BELOW_REQUEST, STALE, WARMING_UP, HealthState, ProbeSpec, matches_any
+from agent.ready import ReadyQuery, judge, matches_any
+from agent.reasons import HBM_BELOW_REQUEST, STALE, WARMING_UP
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import OBSERVED_HBM_FREE_MIB, Finding, Status
 
 
@@ -18,7 +20,7 @@ class Clock:
 
 
 def make_state(clock: Clock, fail: int = 2, recover: int = 2, required: tuple[str, ...] = ()) -> HealthState:
-    state = HealthState("node-a", fail, recover, 3.0, required, clock=clock.wall, monotonic=clock.mono)
+    state = HealthState("node-a", HealthSettings(fail, recover, 3.0, required), clock=clock.wall, monotonic=clock.mono)
     state.configure([ProbeSpec("disk", ("storage.space",), 10.0, 2.0), ProbeSpec("mem", ("host.memory",), 10.0, 2.0)])
     return state
 
@@ -32,7 +34,7 @@ def test_unknown_until_first_result_then_ready() -> None:
     state = make_state(clock)
     snap = state.snapshot
     assert not snap.ready
-    assert {r.reason for r in snap.verdict.reasons} == {WARMING_UP}
+    assert {r.reason for r in snap.verdict.reasons} == {WARMING_UP.code}
     state.record("disk", [f("storage.space", Status.OK, subject="/")])
     assert not state.snapshot.ready  # host.memory has not run yet
     state.record("mem", [f("host.memory", Status.OK)])
@@ -87,11 +89,12 @@ def test_results_go_stale_after_three_intervals_even_without_a_refresh() -> None
     state.record("mem", [f("host.memory", Status.OK)])
     state.record("disk", [f("storage.space", Status.OK, subject="/")])
     snap = state.snapshot
-    assert snap.current(clock.mono()).ready
+    assert state.current() is snap and snap.ready
     clock.now += 3 * 10.0 + 2.0 + 0.5
-    aged = snap.current(clock.mono())  # the scheduler published nothing: readers still see staleness
-    assert not aged.ready
-    assert {r.reason for r in aged.verdict.reasons} == {STALE}
+    aged = state.current()  # the scheduler published nothing: readers still see staleness
+    assert state.snapshot is snap, "nothing was published"
+    assert not aged.ready and aged.aged and aged.version == snap.version
+    assert {r.reason for r in aged.verdict.reasons} == {STALE.code}
     assert state.refresh()
     assert not state.snapshot.ready
 
@@ -123,7 +126,7 @@ def test_vanished_subjects_and_removed_probes_leave_nothing_behind() -> None:
 
 def test_checks_devices_and_min_hbm_filters() -> None:
     clock = Clock()
-    state = HealthState("n", 1, 1, 3.0, (), clock=clock.wall, monotonic=clock.mono)
+    state = HealthState("n", HealthSettings(1, 1), clock=clock.wall, monotonic=clock.mono)
     state.configure([ProbeSpec("npu", ("npu.hbm", "npu.health"), 10.0, 2.0), ProbeSpec("mem", ("host.memory",), 10, 2)])
     state.record("mem", [f("host.memory", Status.OK)])
     state.record(
@@ -137,14 +140,15 @@ def test_checks_devices_and_min_hbm_filters() -> None:
     )
     snap = state.snapshot
     assert not snap.ready
-    assert snap.evaluate(devices={0}).ready
-    assert not snap.evaluate(devices={1}).ready
-    assert snap.evaluate(checks=("host",)).ready
-    assert not snap.evaluate(checks=("npu",)).ready
-    verdict = snap.evaluate(devices={0}, min_hbm_free_mib=2000)
+    assert judge(snap, ReadyQuery(device_indices=frozenset({0}))).ready
+    assert not judge(snap, ReadyQuery(device_indices=frozenset({1}))).ready
+    assert judge(snap, ReadyQuery(checks=("host",))).ready
+    assert not judge(snap, ReadyQuery(checks=("npu",))).ready
+    verdict = judge(snap, ReadyQuery(device_indices=frozenset({0}), min_hbm_free_mib=2000))
     assert not verdict.ready
-    assert [r.reason for r in verdict.reasons] == [HBM_BELOW_REQUEST]
-    assert snap.evaluate(devices={0}, min_hbm_free_mib=500).ready
+    assert [r.reason for r in verdict.reasons] == [HBM_BELOW_REQUEST.code]
+    assert verdict.reasons[0].hint == HBM_BELOW_REQUEST.hint, "the fix given is the documented one"
+    assert judge(snap, ReadyQuery(device_indices=frozenset({0}), min_hbm_free_mib=500)).ready
 
 
 def test_selector_matching() -> None:

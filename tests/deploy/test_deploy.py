@@ -175,8 +175,7 @@ def test_daemonset_has_what_the_agent_needs() -> None:
 
     assert host_path("/host") == "/" and mounts["/host"]["readOnly"] is True
     assert mounts["/host"]["mountPropagation"] == "HostToContainer"
-    assert host_path("/dev") == "/dev"
-    assert host_path("/dev/kmsg") == "/dev/kmsg"
+    assert host_path("/dev") == "/dev" and mounts["/dev"]["readOnly"] is True
     assert host_path("/sys") == "/sys" and mounts["/sys"]["readOnly"] is True
     assert host_path("/var/lib/kubelet/pod-resources") == "/var/lib/kubelet/pod-resources"
     config_volume = volumes[mounts["/etc/node-health"]["name"]]

@@ -5,9 +5,9 @@ process this test started outside the container holding a mknod'ed device node. 
 and contents, `/ready` from the image answering deploy/examples/preflight.sh, and the runtime dependencies
 resolving as binary wheels for aarch64 (Kunpeng hosts).
 
-Cached between runs under $NODE_HEALTH_CI_CACHE (default /var/cache/node-health-ci): the base rootfs tarball,
-and the built image (`podman save`), keyed by a hash of the whole build context; podman's layer cache reuses the
-dependency layers while the Dockerfile and pyproject.toml stay the same.
+Cached between runs under $NODE_HEALTH_CI_CACHE (default /var/cache/node-health-ci): the base rootfs tarball
+(tests/support/podman.py), and the built image (`podman save`), keyed by a hash of the whole build context; podman's
+layer cache reuses the dependency layers while the Dockerfile and pyproject.toml stay the same.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
-import platform
 import re
-import resource
-import shutil
 import socket
 import stat
 import subprocess
@@ -32,149 +29,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.podman import CACHE, build_volumes, ensure_base_image, image_exists, podman, ulimits
 from support.system import REPO, require, require_root, require_tool
+
+from agent.version import __version__
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(1800)]
 
-CACHE = Path(os.environ.get("NODE_HEALTH_CI_CACHE", "/var/cache/node-health-ci"))
-BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
-DEBIAN_MIRROR = os.environ.get("NODE_HEALTH_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-SECURITY_MIRROR = os.environ.get("NODE_HEALTH_DEBIAN_SECURITY_MIRROR", "http://deb.debian.org/debian-security")
 IMAGE_REPOSITORY = "localhost/node-health"
 # What the build context holds (.dockerignore lets in exactly these) plus the Dockerfile itself.
-CONTEXT = ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "agent", "probes")
+CONTEXT = ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "agent", "probes", "scripts/slim_venv.py")
 SIZE_TARGET_BYTES = 200_000_000  # as `podman images` counts MB
 IMAGE_DOC = REPO / "docs" / "image.md"
 PREFLIGHT = REPO / "deploy" / "examples" / "preflight.sh"
 FULL = (1, 7)  # /dev/full's device number: a real character device that opens anywhere
-
-
-# --- podman ----------------------------------------------------------------------------------------------------
-
-
-def podman(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """podman with runc and cgroupfs: they work on cgroup v1 (hybrid) hosts such as CI's as well as on v2."""
-    argv = [require_tool("podman"), "--runtime", "runc", "--cgroup-manager", "cgroupfs", *args]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert done.returncode == 0, f"{' '.join(argv)}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return done
-
-
-def ulimits() -> list[str]:
-    """podman's default limits exceed this host's hard limits, which runc may not raise: stay at or below them."""
-    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 20)
-    nproc = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 4096)
-    return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
-
-
-def image_exists(reference: str) -> bool:
-    return podman("image", "exists", reference, check=False).returncode == 0
-
-
-# --- the base image: pulled, or made here with debootstrap like the official -slim ----------------------------
-
-DPKG_EXCLUDES = """\
-path-exclude /usr/share/doc/*
-path-include /usr/share/doc/*/copyright
-path-exclude /usr/share/man/*
-path-exclude /usr/share/groff/*
-path-exclude /usr/share/info/*
-path-exclude /usr/share/locale/*
-path-exclude /usr/share/lintian/*
-path-exclude /usr/share/linda/*
-path-exclude /var/cache/man/*
-"""
-APT_CONFIG = {
-    "docker-clean": (
-        'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb '
-        '/var/cache/apt/*.bin || true"; };\n'
-        'APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb '
-        '/var/cache/apt/*.bin || true"; };\n'
-        'Dir::Cache::pkgcache "";\nDir::Cache::srcpkgcache "";\n'
-    ),
-    "docker-no-languages": 'Acquire::Languages "none";\n',
-    "docker-gzip-indexes": 'Acquire::GzipIndexes "true";\n',
-    "docker-autoremove-suggests": 'APT::AutoRemove::SuggestsImportant "false";\n',
-}
-SOURCES = f"""\
-Types: deb
-URIs: {DEBIAN_MIRROR}
-Suites: bookworm bookworm-updates
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-
-Types: deb
-URIs: {SECURITY_MIRROR}
-Suites: bookworm-security
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-"""
-
-
-def slim(root: Path) -> None:
-    """What the official debian:*-slim images do to a minbase: no docs, man pages or locales (now or from later
-    installs), apt caches and lists cleaned, the release's updates and security suites in the sources."""
-    (root / "etc/dpkg/dpkg.cfg.d/docker").write_text(DPKG_EXCLUDES)
-    for name, text in APT_CONFIG.items():
-        (root / "etc/apt/apt.conf.d" / name).write_text(text)
-    (root / "etc/apt/sources.list").unlink(missing_ok=True)
-    (root / "etc/apt/sources.list.d/debian.sources").write_text(SOURCES)
-    for pattern in ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*", "var/log/*.log"):
-        for path in root.glob(pattern):
-            if path.is_file():
-                path.unlink()
-    for directory in ("usr/share/man", "usr/share/info", "usr/share/locale"):
-        for path in (root / directory).iterdir():
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-    for path in sorted((root / "usr/share/doc").rglob("*"), reverse=True):
-        if path.is_dir() and not path.is_symlink():
-            with contextlib.suppress(OSError):  # not empty: it keeps a copyright file
-                path.rmdir()
-        elif path.name != "copyright":
-            path.unlink()
-
-
-def unmount_below(root: Path) -> None:
-    """debootstrap mounts /proc and /sys in the target; a failed run may leave them: never delete through them."""
-    with open("/proc/self/mountinfo") as mountinfo:
-        targets = [line.split()[4] for line in mountinfo]
-    for target in sorted((t for t in targets if t.startswith(f"{root}/")), key=len, reverse=True):
-        subprocess.run(["umount", "-l", target], capture_output=True, timeout=60)
-
-
-def make_base_tarball(tarball: Path) -> None:
-    debootstrap = require_tool("debootstrap")
-    with tempfile.TemporaryDirectory(dir=CACHE, prefix="rootfs-") as work:
-        root = Path(work) / "rootfs"
-        try:
-            done = subprocess.run(
-                [debootstrap, "--variant=minbase", "bookworm", str(root), DEBIAN_MIRROR],
-                capture_output=True,
-                text=True,
-                timeout=1200,
-            )
-            assert done.returncode == 0, f"debootstrap failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        finally:
-            unmount_below(root)
-        slim(root)
-        partial = tarball.with_name(tarball.name + ".partial")
-        subprocess.run(["tar", "-C", str(root), "--numeric-owner", "-cf", str(partial), "."], check=True, timeout=600)
-        partial.replace(tarball)
-
-
-def ensure_base_image() -> None:
-    if image_exists(BASE_IMAGE):
-        return
-    tarball = CACHE / f"debian-bookworm-minbase-{platform.machine()}.tar"
-    if not tarball.exists():
-        if podman("pull", "--quiet", BASE_IMAGE, timeout=300, check=False).returncode == 0:
-            return
-        make_base_tarball(tarball)
-    podman("import", "--change", 'CMD ["bash"]', str(tarball), BASE_IMAGE)
 
 
 # --- the image -------------------------------------------------------------------------------------------------
@@ -200,34 +68,6 @@ def context_key() -> str:
     for path in context_files():
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:24]
-
-
-def host_ca_bundle() -> Path | None:
-    """The CA bundle this machine's pip trusts (a TLS-intercepting proxy's CA included), for pip in the build."""
-    for candidate in (
-        os.environ.get("PIP_CERT"),
-        os.environ.get("SSL_CERT_FILE"),
-        os.environ.get("REQUESTS_CA_BUNDLE"),
-        "/etc/ssl/certs/ca-certificates.crt",
-    ):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
-
-
-def build_volumes(work: Path) -> list[str]:
-    """pip inside the build uses this machine's CA bundle and index (mounted for the RUN steps only, never part
-    of the image), so the Dockerfile stays the one a registry build uses."""
-    bundle = host_ca_bundle()
-    settings = ["[global]"]
-    volumes: list[str] = []
-    if bundle is not None:
-        settings.append("cert = /run/node-health-ci/ca.crt")
-        volumes += ["--volume", f"{bundle}:/run/node-health-ci/ca.crt:ro"]
-    if os.environ.get("PIP_INDEX_URL"):
-        settings.append(f"index-url = {os.environ['PIP_INDEX_URL']}")
-    (work / "pip.conf").write_text("\n".join(settings) + "\n")
-    return [*volumes, "--volume", f"{work / 'pip.conf'}:/etc/pip.conf:ro"]
 
 
 def build_image(tag: str) -> None:
@@ -299,10 +139,8 @@ def test_dockerignore_lets_in_what_the_build_copies() -> None:
 
 
 def test_tools_in_the_image_answer_their_version(image: str) -> None:
-    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
-    assert version is not None
     assert podman("run", "--rm", *ulimits(), "--network=none", image, "--version").stdout == (
-        f"node-health {version.group(1)}\n"
+        f"node-health {__version__}\n"
     )
     assert in_image(image, "py-spy", "--version").stdout.startswith("py-spy 0.")
     assert in_image(image, "nsenter", "--version").stdout.startswith("nsenter from util-linux ")
@@ -433,7 +271,11 @@ def test_agent_in_the_image_answers_the_preflight_and_stops_on_sigterm(image: st
     try:
         outcome = wait_for_preflight(port)
         assert outcome.returncode == 0, (outcome.stdout, outcome.stderr, podman("logs", name, check=False).stderr)
-        assert outcome.stdout.splitlines()[1] == "ready on image-test"
+        # The script waits out the agent's warm-up itself (a "warming up" line first, then the answer).
+        assert outcome.stdout.splitlines()[-2:] == [
+            f"node-health pre-flight: http://127.0.0.1:{port}/ready answered 200",
+            "ready on image-test",
+        ]
         started = time.monotonic()
         podman("stop", "--time", "10", name)
         assert time.monotonic() - started < 10, "the agent (PID 1 in its container) did not stop on SIGTERM"

@@ -31,10 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from support.fake_node import FakeNode, free_port
 from support.system import REPO, require_fixtures, require_root, require_tool
+
+from agent.version import __version__
 
 PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 RULES = PROMETHEUS_DIR / "node-health-rules.yaml"
@@ -42,9 +45,12 @@ PROMETHEUS_RULE = PROMETHEUS_DIR / "prometheusrule.yaml"
 UNIT_TESTS = PROMETHEUS_DIR / "tests.yaml"
 PODMONITOR = PROMETHEUS_DIR / "podmonitor.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "node-health.json"
+# The project's repository (pyproject.toml, [project.urls] Source): where the rendered runbook links point.
+SOURCE = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["urls"]["Source"]
 
 CLUSTER = "e2e"
 JOB = "node-health"
+AGENT_POD = {"namespace": "node-health", "pod": "node-health-x7k2p", "container": "agent"}
 OBSERVABILITY_DOC = REPO / "docs" / "observability.md"
 # Metric names other exporters use too: node-problem-detector's, and every scrape job's `up`.
 SHARED_NAMES = re.compile(r"\b(problem_gauge|problem_counter|up)\{")
@@ -105,8 +111,15 @@ def test_rules_file_and_prometheusrule_pass_promtool_check(tmp_path: Path) -> No
 
 
 def test_prometheusrule_holds_exactly_the_rules_file_groups() -> None:
+    """The same groups, with each runbook link absolute: this release's docs (render.py's default base)."""
     document = yaml.safe_load(PROMETHEUS_RULE.read_text())
-    assert document["spec"]["groups"] == rules_groups()
+    base = f"{SOURCE}/blob/v{__version__}/"
+    groups = copy.deepcopy(document["spec"]["groups"])
+    for rule in alerts_of(groups):
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith(base), url
+        rule["annotations"]["runbook_url"] = url[len(base) :]
+    assert groups == rules_groups()
     check = subprocess.run(
         [sys.executable, str(PROMETHEUS_DIR / "render.py"), "--check"], capture_output=True, text=True, timeout=60
     )
@@ -172,6 +185,8 @@ def test_podmonitor_adds_the_node_label_the_rules_and_dashboard_use() -> None:
     relabelings = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
     assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in relabelings
     assert {"targetLabel": "job", "replacement": "node-health"} in relabelings
+    # Device series' pod, namespace and container (the allocated pod's) must not become exported_pod etc.
+    assert monitor["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
     # kube-prometheus-stack's default podMonitorSelector and ruleSelector (docs/observability.md, Install).
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert yaml.safe_load(PROMETHEUS_RULE.read_text())["metadata"]["labels"]["release"] == "prometheus"
@@ -238,14 +253,18 @@ class StandInExporters:
         )
         gpu_memory = families.get("nodehealth_gpu_memory_used_bytes")
         gpus = [(s.labels, s.value) for s in gpu_memory.samples] if gpu_memory else []
+        # npu-exporter's card labels (id: the physical id; namespace, pod_name, container_name of the chip's pod),
+        # dcgm-exporter's (gpu, UUID, pci_bus_id, device, modelName, Hostname; pod, namespace, container).
         npu_lines = [
-            f'npu_chip_info_process_info_num{{id="{c["chip"]}",model_name="{c["name"]}",'
-            f'pcie_bus_info="{c.get("pci_bus_id", "")}"}} 1'
+            f'npu_chip_info_process_info_num{{container_name="{c["container"]}",id="{c["id"]}",'
+            f'model_name="{c["name"]}",namespace="{c["namespace"]}",pcie_bus_info="{c.get("pci_bus_id", "")}",'
+            f'pod_name="{c["pod"]}",vdie_id=""}} 1'
             for c in chips
         ]
         dcgm_lines = [
-            f'DCGM_FI_DEV_FB_USED{{gpu="{g["gpu"]}",UUID="{g["uuid"]}",device="nvidia{g["gpu"]}",'
-            f'modelName="{g["name"]}",Hostname="{node}"}} {used / 2**20:.0f}'
+            f'DCGM_FI_DEV_FB_USED{{gpu="{g["gpu"]}",UUID="{g["UUID"]}",pci_bus_id="{g["pci_bus_id"]}",'
+            f'device="nvidia{g["gpu"]}",modelName="{g["name"]}",Hostname="{node}",container="{g["container"]}",'
+            f'namespace="{g["namespace"]}",pod="{g["pod"]}"}} {used / 2**20:.0f}'
             for g, used in gpus
         ]
         self.bodies = {
@@ -300,9 +319,12 @@ class Prometheus:
             "scrape_configs": [
                 {
                     "job_name": JOB,
-                    # What the PodMonitor's relabeling gives in a cluster: `node` from the pod's node name;
-                    # `cluster` as a Thanos/Mimir querier presents it.
-                    "static_configs": [{"targets": [scrape_target], "labels": {"node": node, "cluster": CLUSTER}}],
+                    # What the PodMonitor gives in a cluster: `node` from the pod's node name, the agent pod's
+                    # namespace, pod and container, honorLabels; `cluster` as a Thanos/Mimir querier presents it.
+                    "honor_labels": True,
+                    "static_configs": [
+                        {"targets": [scrape_target], "labels": {"node": node, "cluster": CLUSTER, **AGENT_POD}}
+                    ],
                 },
                 *others,
             ],
@@ -499,8 +521,12 @@ def test_rules_evaluate_in_prometheus_and_a_fatal_aer_error_fires(live: tuple[Fa
     alert = fired[0]
     assert alert["labels"]["node"] == node.node_name
     assert alert["labels"]["subject"] == "0000:01:00.0"
-    assert alert["labels"]["severity"] == "critical"
+    # One node: a warning (a ticket); the fleet alert is the one that pages, and one node of one is 5% of this
+    # one-node cluster, so it is pending for its 10 minutes.
+    assert alert["labels"]["severity"] == "warning"
     assert "lspci -vvv -s 0000:01:00.0" in alert["annotations"]["hint"]
+    fleet = [a for a in alerts_now(prometheus) if a["labels"]["alertname"] == "NodeHealthFleetProblem"]
+    assert {(a["labels"]["reason"], a["state"]) for a in fleet} >= {("PcieFatalErrors", "pending")}, fleet
 
     # Every rule evaluated against the live data without an error.
     answer = prometheus.api("rules")
@@ -542,15 +568,43 @@ def test_job_variable_keeps_node_problem_detectors_series_out(live: tuple[FakeNo
 
 @pytest.mark.system
 def test_documented_join_queries_return_data(live: tuple[FakeNode, Prometheus]) -> None:
+    """The joins of docs/observability.md, on series shaped like npu-exporter's and dcgm-exporter's, without
+    label_replace: npu-exporter's chips on `id`, dcgm-exporter's GPUs on `UUID`, PCIe series on `pci_bus_id`."""
     _, prometheus = live
     text = OBSERVABILITY_DOC.read_text()
     queries = re.findall(r"```promql\n(.*?)```", text, re.S)
-    assert len(queries) == 2, "docs/observability.md lost its join examples"
-    for expr in queries:
-        result = wait_for_data(prometheus, expr)
-        assert result, f"no data: {expr} (the agent's device series must carry pci_bus_id / uuid)"
-    npu = wait_for_data(prometheus, queries[0])
-    assert {series["metric"]["pci_bus_id"] for series in npu}, npu
+    assert len(queries) == 4, "docs/observability.md lost its join examples"
+    assert not [q for q in queries if "label_replace" in q]
+    results = [wait_for_data(prometheus, expr) for expr in queries]
+    for expr, result in zip(queries, results, strict=True):
+        assert result, f"no data: {expr} (the agent's device series must carry id / UUID / pci_bus_id)"
+    held, npu_pods, gpu_pods, pcie = results
+    # The fake node's davinci0 is held outside Kubernetes: npu-exporter's chip with id 0.
+    assert [s["metric"]["id"] for s in held] == ["0"]
+    # npu-exporter's chip 1 gets the pod the device plugin's ledger allocated it to (tests/support/fake_node.py).
+    allocated = {s["metric"]["id"]: s["metric"].get("pod") for s in npu_pods}
+    assert allocated["1"] == "train-0" and allocated["0"] is None and len(allocated) == 8
+    assert {s["metric"].get("pod") for s in gpu_pods} == {"infer-0", None} and len(gpu_pods) == 8
+    assert {(s["metric"]["pci_bus_id"], s["metric"]["chip"]) for s in pcie} == {("0000:01:00.0", "1")}, pcie
+
+
+@pytest.mark.system
+def test_device_series_carry_the_allocated_pod_beside_the_agents_own(live: tuple[FakeNode, Prometheus]) -> None:
+    """As the PodMonitor scrapes (honorLabels, the agent pod's labels on the target): a device series names the pod
+    its device is allocated to; a free device's names no pod (not the agent's); every other series the agent's."""
+    _, prometheus = live
+    allocated = wait_for_data(prometheus, 'nodehealth_device_allocated{chip="1"}')
+    assert [(s["metric"]["pod"], s["metric"]["namespace"], s["metric"]["container"]) for s in allocated] == [
+        ("train-0", "team-a", "worker")
+    ]
+    assert allocated[0]["metric"]["resource"] == "huawei.com/Ascend910" and allocated[0]["value"][1] == "1"
+    free = wait_for_data(prometheus, 'nodehealth_device_allocated{chip="0"}')
+    assert free and "pod" not in free[0]["metric"] and free[0]["value"][1] == "0", free
+    gpu = wait_for_data(prometheus, 'nodehealth_gpu_memory_used_bytes{gpu="0"}')
+    assert gpu[0]["metric"]["pod"] == "infer-0" and gpu[0]["metric"]["UUID"].startswith("GPU-")
+    ready = wait_for_data(prometheus, "nodehealth_ready")
+    assert {k: ready[0]["metric"][k] for k in AGENT_POD} == AGENT_POD
+    assert "exported_pod" not in json.dumps(wait_for_data(prometheus, '{__name__=~"nodehealth_.*", pod="train-0"}'))
 
 
 def sample_names(metrics_text: str) -> set[str]:

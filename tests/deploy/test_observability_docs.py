@@ -3,7 +3,8 @@
 - Every alert's runbook_url resolves to a heading: docs/troubleshooting.md (its generated reason sections, as
   agent/reference.py writes them) for every reason the alert can carry, or the alert's own section of
   docs/observability.md; every reason an alert's expression names is one a probe or the agent declares.
-- `render.py --runbook-base URL` prints rules that promtool accepts, with every link absolute.
+- `render.py --runbook-base URL` prints rules that promtool accepts, with every link absolute; without it the links
+  go to this release's docs in the project's repository.
 - The page's alert table, scrape config and family links say what the rules, promtool and the families say.
 The live checks (metrics, dashboard, joins) are in tests/deploy/test_observability.py.
 """
@@ -20,8 +21,9 @@ import pytest
 import yaml
 from support.system import REPO, require_tool
 
+from agent.reasons import AGENT_REASONS
 from agent.reference import generated_blocks, refresh
-from agent.state import AGENT_REASONS
+from agent.version import __version__
 from probes import all_families, all_probes
 from probes.base import COMMON_REASONS, Status
 
@@ -149,10 +151,20 @@ def test_render_with_a_runbook_base_makes_every_link_absolute(tmp_path: Path) ->
         rules_file.write_text(yaml.safe_dump({"groups": groups}))
         checked = promtool("check", "rules", str(rules_file))
         assert checked.returncode == 0, checked.stdout + checked.stderr
-    refused = subprocess.run(
+    # Without --runbook-base: absolute all the same, into this release's docs in the project's repository.
+    default = subprocess.run(
         [sys.executable, str(PROMETHEUS_DIR / "render.py"), "--rules-file"], capture_output=True, text=True, timeout=60
     )
-    assert refused.returncode == 2 and "--rules-file needs --runbook-base" in refused.stderr
+    assert default.returncode == 0, default.stderr
+    source = re.search(r'^Source = "(https://[^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)
+    assert source is not None, "pyproject.toml names the repository: [project.urls] Source"
+    base = f"{source.group(1)}/blob/v{__version__}/"
+    urls = [
+        rule["annotations"]["runbook_url"]
+        for group in yaml.safe_load(default.stdout)["groups"]
+        for rule in group["rules"]
+    ]
+    assert urls == [base + rule["annotations"]["runbook_url"] for rule in alerts()]
 
 
 def test_alert_table_says_what_the_rules_say() -> None:

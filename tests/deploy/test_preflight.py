@@ -1,5 +1,5 @@
-"""deploy/examples/preflight.sh, the job pre-flight, run with dash and busybox sh against real agents
-(`node-health run --no-kube`: one ready, one not), a refused port, packets dropped in a network namespace (what
+"""deploy/examples/preflight.sh, the job pre-flight, run with sh, dash, busybox sh, bash and bash -e against real
+agents (`node-health run --no-kube`: one ready, one not), a refused port, packets dropped in a network namespace (what
 kube-proxy does for an internalTrafficPolicy Local Service with no ready agent on the node) and a name that does
 not resolve; and the manifests around it: the example Job (validated, its ConfigMap the script verbatim) and the
 host-port component rendered with `kubectl kustomize`.
@@ -26,52 +26,17 @@ import kubernetes_validate
 import pytest
 import yaml
 from support.netservers import Netns, refused_port
+from support.preflight import SCRIPT, SHELLS, Outcome, preflight
 from support.system import REPO, require, require_root, require_tool
 
 from probes import all_probes
 
-SCRIPT = REPO / "deploy" / "examples" / "preflight.sh"
 EXAMPLE_JOB = REPO / "deploy" / "examples" / "preflight-initcontainer.yaml"
 HOST_PORT_COMPONENT = REPO / "deploy" / "components" / "host-port"
 VERSIONS = [kubernetes_validate.utils.latest_version(), "1.30"]
-SHELLS = ["dash", "busybox"]
 # The script gives up after about 10 s; this is a correctness bound (it must not hang), not a benchmark.
 GIVE_UP_BOUND_SECONDS = 15.0
 MISSING_PATH = "/nonexistent/node-health-preflight-data"
-
-
-# --- running the script ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def lines(self) -> list[str]:
-        return self.stdout.splitlines()
-
-
-def shell_argv(shell: str) -> list[str]:
-    require_tool("curl")
-    if shell == "busybox":
-        return [require_tool("busybox"), "sh", str(SCRIPT)]
-    return [require_tool(shell), str(SCRIPT)]
-
-
-def preflight(env: dict[str, str], shell: str = "dash", netns: Netns | None = None) -> Outcome:
-    """Run the script with only `env` (and PATH): nothing of this machine's environment leaks in."""
-    argv = shell_argv(shell)
-    if netns is not None:
-        argv = ["ip", "netns", "exec", netns.name, *argv]
-    started = time.monotonic()
-    done = subprocess.run(
-        argv, env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=60, cwd="/"
-    )
-    return Outcome(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
 
 
 def attempts(outcome: Outcome) -> list[str]:
@@ -303,9 +268,10 @@ def test_refused_port_exits_3_and_lists_every_attempt(shell: str) -> None:
 
 
 @pytest.mark.system
-def test_fail_open_warns_and_exits_0() -> None:
+@pytest.mark.parametrize("shell", SHELLS)
+def test_fail_open_warns_and_exits_0(shell: str) -> None:
     url = f"http://127.0.0.1:{refused_port()}"
-    outcome = preflight({"NODE_HEALTH_URL": url, "NODE_HEALTH_FAIL_OPEN": "1"})
+    outcome = preflight({"NODE_HEALTH_URL": url, "NODE_HEALTH_FAIL_OPEN": "1"}, shell)
     assert outcome.code == 0, outcome
     assert outcome.stdout == ""
     warning = outcome.stderr.splitlines()[0]
@@ -314,7 +280,7 @@ def test_fail_open_warns_and_exits_0() -> None:
     assert len(attempts(outcome)) == 3
     # Fail-open is for an absent agent only: a not-ready answer still fails (tested above); any other value of
     # the switch keeps failing closed.
-    outcome = preflight({"NODE_HEALTH_URL": url, "NODE_HEALTH_FAIL_OPEN": "0"})
+    outcome = preflight({"NODE_HEALTH_URL": url, "NODE_HEALTH_FAIL_OPEN": "0"}, shell)
     assert outcome.code == 3, outcome
 
 

@@ -7,7 +7,8 @@ import pytest
 from support.kube_double import ApiDouble
 from support.kube_helpers import Clock, all_ok, conditions, finding, health_state, make_agent
 
-from agent.state import PROBE_TIMEOUT, HealthState
+from agent.reasons import PROBE_TIMEOUT
+from agent.state import HealthState
 
 PROBES = {"time": ("time.sync", "time.ntp"), "storage": ("storage.mounts",)}
 
@@ -46,11 +47,11 @@ def test_warming_up_warn_fail_unknown_and_back(double: ApiDouble) -> None:
     assert condition(double, "StorageHealthy") == ("True", "Healthy", "1 of 1 checks passed")
 
     clock.advance(30)
-    clock_checks(state, sync=("unknown", PROBE_TIMEOUT))
+    clock_checks(state, sync=("unknown", PROBE_TIMEOUT.code))
     agent.reconcile_once()
     assert condition(double, "ClockSynced") == (
         "Unknown",
-        PROBE_TIMEOUT,
+        PROBE_TIMEOUT.code,
         "unknown: ProbeTimeout (time.sync) — time.sync: time.sync is unknown",
     )
 
@@ -70,7 +71,7 @@ def test_warming_up_warn_fail_unknown_and_back(double: ApiDouble) -> None:
     events = [(e["reason"], e["type"]) for e in double.events() if e["message"].startswith("ClockSynced")]
     assert events == [
         ("Healthy", "Normal"),  # Unknown (warming up) -> True
-        (PROBE_TIMEOUT, "Normal"),
+        (PROBE_TIMEOUT.code, "Normal"),
         ("ClockSkew", "Warning"),
         ("Healthy", "Normal"),
     ]

@@ -12,7 +12,7 @@ from support.kube_semantics import strategic_merge
 
 from agent.config import ConfigError, parse_config
 from agent.kube.plan import Plan, SlotView, plan, plan_cleanup
-from agent.state import PROBE_TIMEOUT, STALE
+from agent.reasons import PROBE_TIMEOUT, STALE
 from probes.base import Event
 
 POLICY = kube_config().kubernetes
@@ -128,10 +128,10 @@ def test_no_fresh_result_holds_taints_conditions_and_the_label() -> None:
     p = plan(snapshot_of(warming("storage.mounts")), node, POLICY, now=NOW, slot=SlotView("unknown"))
     assert p.node_patch is None and p.status_patch is None
     assert p.blocking and not p.release
-    stale = snapshot_of(finding("storage.mounts", "unknown", STALE, "result is 200 s old"))
+    stale = snapshot_of(finding("storage.mounts", "unknown", STALE.code, "result is 200 s old"))
     p = plan(stale, node, POLICY, now=NOW, slot=SlotView("held"))
     assert p.node_patch is None, "a stale result keeps the taint"
-    assert (items(p)["StorageHealthy"]["status"], items(p)["StorageHealthy"]["reason"]) == ("Unknown", STALE)
+    assert (items(p)["StorageHealthy"]["status"], items(p)["StorageHealthy"]["reason"]) == ("Unknown", STALE.code)
 
     fresh_node = node_object()
     p = plan(snapshot_of(warming("storage.mounts")), fresh_node, POLICY, now=NOW, slot=SlotView("unknown"))
@@ -155,9 +155,9 @@ def test_no_fresh_result_holds_taints_conditions_and_the_label() -> None:
             "fail: ClockSkew (time.sync); warn: NtpSlow (time.ntp) — time.sync: skew 9 s",
         ),
         (
-            [finding("time.sync", "unknown", PROBE_TIMEOUT, "chronyc hung")],
+            [finding("time.sync", "unknown", PROBE_TIMEOUT.code, "chronyc hung")],
             "Unknown",
-            PROBE_TIMEOUT,
+            PROBE_TIMEOUT.code,
             "unknown: ProbeTimeout (time.sync) — time.sync: chronyc hung",
         ),
         (
@@ -274,7 +274,7 @@ def applied(node: dict[str, Any], p: Plan) -> dict[str, Any]:
         ([finding("storage.mounts"), finding("time.sync", "warn", "ClockUnsynced", "offset 2 s")], "free"),
         ([finding("storage.mounts", "fail", "MountMissing"), finding("npu.health", "fail", "NpuHealthAlarm")], "held"),
         ([finding("network.dns", "fail", "DnsFailed", "no answer")], "denied"),
-        ([finding("time.sync", "unknown", PROBE_TIMEOUT, "hung"), warming("storage.mounts")], "unknown"),
+        ([finding("time.sync", "unknown", PROBE_TIMEOUT.code, "hung"), warming("storage.mounts")], "unknown"),
         ([finding("npu.health", "fail", "Muted"), finding("host.memory", "warn", "MemoryLow")], "free"),
     ],
     ids=["healthy-and-warn", "failing", "withheld", "unknown-and-warming", "disabled"],

@@ -100,8 +100,11 @@ def test_the_agents_role_is_exactly_what_it_calls(double: ApiDouble) -> None:
         for agent in agents.values():
             agent.step()  # b asks again, verifies the holders, takes the slot; heartbeats
     assert our_taints(double.node("b"))
+    # The node's pods for the device ledger checks (agent/kube/pods.py), through the same client.
+    double.add_pod("team-a", "train-0", "a")
+    assert agents["a"].pods.refresh() and agents["a"].pods.current() is not None
     used = calls(double.log)
-    assert ("", "nodes", "list") in used and ("", "configmaps", "create") in used
+    assert ("", "nodes", "list") in used and ("", "configmaps", "create") in used and ("", "pods", "list") in used
     assert_least_privilege(used, REPO / "deploy" / "rbac.yaml", BUDGET_NS)
 
 

@@ -30,7 +30,7 @@ from support.system import REPO
 
 from agent.config import parse_config
 from agent.kube import KubeAgent, load_api_client
-from agent.state import HealthState
+from agent.state import HealthSettings, HealthState
 from probes.base import Event
 
 FOREIGN_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
@@ -355,14 +355,14 @@ def test_the_heartbeat_repairs_drift(double: ApiDouble) -> None:
 @pytest.mark.system
 def test_api_faults_back_off_and_converge(double: ApiDouble) -> None:
     double.add_node("n1", taints=[FOREIGN_TAINT])
-    state = HealthState("n1", fail_threshold=1, recovery_threshold=1)
+    state = HealthState("n1", HealthSettings(fail_threshold=1, recovery_threshold=1))
     configure(state, DEFAULT_PROBES)
     agent = KubeAgent(
         kube_config(
             backoff_initial_seconds=0.05, backoff_max_seconds=0.2, poll_seconds=0.02, request_timeout_seconds=0.5
         ),
         "n1",
-        lambda: state.snapshot,
+        state.current,
         double.client(),
     )
     all_ok(state)
@@ -408,9 +408,7 @@ def test_load_api_client_from_kubeconfig(double: ApiDouble, tmp_path: Path, monk
             config = parse_config({})
         clock = Clock()
         state = health_state("n1", clock)
-        agent = KubeAgent(
-            kube_config(kubeconfig=config.kubernetes.kubeconfig), "n1", lambda state=state: state.snapshot
-        )
+        agent = KubeAgent(kube_config(kubeconfig=config.kubernetes.kubeconfig), "n1", state.current)
         agent.reconcile_once()
         agent.stop()
         assert agent.status()["errors"] == {}
@@ -420,7 +418,7 @@ def test_load_api_client_from_kubeconfig(double: ApiDouble, tmp_path: Path, monk
 
     double.token = "another"  # a token the API no longer accepts: counted as forbidden, the Node left alone
     writes = len(double.writes)
-    agent = KubeAgent(kube_config(kubeconfig=str(kubeconfig)), "n1", lambda state=state: state.snapshot)
+    agent = KubeAgent(kube_config(kubeconfig=str(kubeconfig)), "n1", state.current)
     agent.reconcile_once()
     agent.stop()
     assert set(agent.status()["errors"]) == {"forbidden"}

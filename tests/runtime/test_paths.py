@@ -90,3 +90,26 @@ def test_host_paths_are_strict_like_every_section() -> None:
         HostPaths(procfs="/proc")  # type: ignore[call-arg]
     with pytest.raises(ValidationError):
         HostPaths(root=5)  # type: ignore[arg-type]
+
+
+def test_resolve_under_follows_links_as_the_host_would_and_never_leaves_the_root(tmp_path: Path) -> None:
+    from probes.runtime.paths import resolve_under
+
+    root = tmp_path / "host"
+    (root / "mnt" / "disk" / "sub").mkdir(parents=True)
+    (root / "data").symlink_to("/mnt/disk")  # absolute: the host's /mnt/disk
+    (root / "mnt" / "disk" / "up").symlink_to("../../../../..")  # climbs past the root: stops at it
+    (root / "rel").symlink_to("data/sub")
+    (root / "loop1").symlink_to("loop2")
+    (root / "loop2").symlink_to("loop1")
+    top = str(root)
+    assert resolve_under(top, "/data") == "/mnt/disk"
+    assert resolve_under(top, "/data/sub") == "/mnt/disk/sub"
+    assert resolve_under(top, "/rel") == "/mnt/disk/sub"
+    assert resolve_under(top, "/data/up/mnt") == "/mnt"
+    assert resolve_under(top, "/data/missing/../x") == "/mnt/disk/x"  # the rest kept as written, normalised
+    assert resolve_under(top, "/mnt/disk/../../data/./sub") == "/mnt/disk/sub"
+    assert resolve_under(top, "/") == "/"
+    with pytest.raises(OSError) as loop:
+        resolve_under(top, "/loop1")
+    assert loop.value.errno == 40  # ELOOP, as the kernel says past 40 links

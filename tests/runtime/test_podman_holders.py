@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from support.fake_npu_smi import FakeSmi, context, make_dev, run_probe, table
 from support.pod_cgroups import idle_devices
-from support.podman import Container, busybox_rootfs, holds_fd, podman_container
+from support.podman_containers import Container, busybox_rootfs, holds_fd, podman_container
 from support.system import require
 
 from agent.config import parse_config

@@ -15,6 +15,8 @@ every probe family given something real to look at.
 - kubernetes (`kube=True`): the agent reconciles its Node on the in-repo API double (tests/support/kube_double.py)
   through a kubeconfig; the taint budget is 0, so its taints are withheld (nodehealth_taint_suppressed).
   With `kube=False` it runs `--no-kube`.
+- the kubelet's PodResources API (`ledger=True`): tests/support/fake_kubelet.py on a unix socket, every chip and
+  GPU offered, chip 1 allocated to pod team-a/train-0 (container worker) and GPU 0 to team-b/infer-0 (`LEDGER`).
 
 `FakeNode` is a context manager; everything it starts is stopped on exit, whatever happened.
 """
@@ -39,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from support.fake_kubelet import FakeKubelet
 from support.kube_double import ApiDouble
 from support.netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver
 
@@ -52,6 +55,11 @@ GPUS = 8
 # Majors no driver registers here: the nodes exist for discovery, nobody can open them.
 UNUSED_MAJOR = 239
 HELD_DEVICE = "/dev/full"  # davinci0 shares its device number, so a holder can really open it
+# The ledger's allocations: (namespace, pod, container, resource, device index).
+LEDGER = (
+    ("team-a", "train-0", "worker", "huawei.com/Ascend910", 1),
+    ("team-b", "infer-0", "main", "nvidia.com/gpu", 0),
+)
 
 DNS_NAME = "mirror.node-health.test"
 EGRESS_NAME = "mirror"
@@ -139,6 +147,11 @@ def nvidia_smi_spec(fixtures: Path) -> dict[str, Any]:
     }
 
 
+def gpu_uuids(query: Path) -> list[str]:
+    """The UUIDs of the GPUs a `nvidia-smi -q` capture lists, in order."""
+    return re.findall(r"^\s*GPU UUID\s*:\s*(GPU-[0-9a-f-]+)\s*$", query.read_text(), re.M)
+
+
 def kmsg_readable() -> bool:
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
@@ -158,9 +171,12 @@ class FakeNode:
         node_name: str = "fake-node-1",
         interval: float = 1.0,
         kube: bool = True,
+        ledger: bool = True,
     ) -> None:
         self.workdir = workdir
         self.kube = kube
+        self.ledger = ledger
+        self.kubelet: FakeKubelet | None = None
         self.api: ApiDouble | None = None
         self.fixtures = fixtures
         self.node_name = node_name
@@ -248,6 +264,11 @@ class FakeNode:
             "kernel_log": {"path": "/dev/kmsg" if self.kernel_log else str(self._empty_kmsg())},
             "kubernetes": {"enabled": False},
         }
+        if self.ledger:
+            self.kubelet = self.start_kubelet(NPU_CHIPS, gpu_uuids(self.fixtures / GPU_QUERY_FIXTURE))
+            config["kubernetes"]["pod_resources_socket"] = self.kubelet.socket
+        else:
+            config["kubernetes"]["pod_resources_socket"] = ""
         if self.kube:
             self.api = ApiDouble().start()
             self._started.append(_Stoppable(self.api))
@@ -255,6 +276,7 @@ class FakeNode:
             self.api.add_node("fake-node-2")
             kubeconfig = self.api.write_kubeconfig(work / "kubeconfig", token="fake")
             config["kubernetes"] = {
+                **config["kubernetes"],
                 "enabled": True,
                 "kubeconfig": str(kubeconfig),
                 "max_unhealthy": "0",
@@ -263,6 +285,17 @@ class FakeNode:
             }
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         return config
+
+    def start_kubelet(self, chips: int, gpus: list[str]) -> FakeKubelet:
+        """The fake kubelet with every device offered and LEDGER's allocations."""
+        kubelet = FakeKubelet().start()
+        self._started.append(kubelet)
+        kubelet.offer("huawei.com/Ascend910", *(f"Ascend910-{chip}" for chip in range(chips)))
+        kubelet.offer("nvidia.com/gpu", *gpus)
+        for namespace, pod, container, resource, index in LEDGER:
+            device = f"Ascend910-{index}" if resource.startswith("huawei.com/") else gpus[index]
+            kubelet.allocate(namespace, pod, container, resource, device)
+        return kubelet
 
     def _empty_kmsg(self) -> Path:
         """Where /dev/kmsg cannot be read (no CAP_SYSLOG): an empty file, read the same way, matching nothing."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from probes.base import Finding, ProbeContext, Sample
     from probes.npu.npu import NpuProbe
+    from probes.runtime.podresources.pods import KubeletAccess
 
 USAGE_ERROR = "Error parameter of -t\nUsage: npu-smi info <watch|proc|-h|-m|-l|-t type> [Options...]\n"
 
@@ -111,12 +112,15 @@ def context(
     proc: Path | None = None,
     dev: Path | None = None,
     timeout: float = 10.0,
+    kubelet: KubeletAccess | None = None,
 ) -> ProbeContext:
     """A real ProbeContext. By default /proc is an empty temp dir, so the PIDs of captured outputs can never
-    match a process of this machine; holder tests pass the real /proc."""
+    match a process of this machine; holder tests pass the real /proc. Without `kubelet`, the PodResources socket
+    is one that does not exist (a kubelet on the test machine is never asked)."""
     from agent.config import parse_config
     from probes.base import ProbeContext
     from probes.runtime.host import Host
+    from probes.runtime.podresources.pods import KubeletAccess
 
     if proc is None:
         proc = tmp / "empty-proc"
@@ -124,7 +128,8 @@ def context(
     if dev is None:
         dev = tmp / "empty-dev"
         dev.mkdir(exist_ok=True)
-    return ProbeContext(Host(proc=proc, dev=dev), parse_config({"npu": npu or {}}), timeout)
+    kubelet = kubelet or KubeletAccess(socket=str(tmp / "no-kubelet" / "kubelet.sock"))
+    return ProbeContext(Host(proc=proc, dev=dev), parse_config({"npu": npu or {}}), timeout, kubelet=kubelet)
 
 
 def run_probe(ctx: ProbeContext, probe: NpuProbe | None = None) -> tuple[dict[tuple[str, str], Finding], list[Sample]]:
@@ -144,7 +149,8 @@ def run_probe(ctx: ProbeContext, probe: NpuProbe | None = None) -> tuple[dict[tu
                 assert item.hint, f"{item.key} has no hint"
             findings[item.key] = item
         else:
-            assert isinstance(item, Sample) and item.name.startswith("nodehealth_npu_")
+            assert isinstance(item, Sample)
+            assert item.name.startswith("nodehealth_npu_") or item.name == "nodehealth_device_allocated"
             samples.append(item)
     return findings, samples
 

@@ -260,6 +260,16 @@ class ApiDouble:
         }
         return self.create("nodes", "", body, keep_status=True)
 
+    def add_pod(
+        self, namespace: str, name: str, node: str, uid: str = "", annotations: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """A pod bound to `node` (spec.nodeName), with the UID its cgroup would carry when given."""
+        body = {"metadata": {"name": name, "annotations": dict(annotations or {})}, "spec": {"nodeName": node}}
+        self.create("pods", namespace, body)
+        if uid:
+            self.mutate("pods", namespace, name, lambda pod: pod["metadata"].__setitem__("uid", uid))
+        return self.get("pods", namespace, name)
+
     def node(self, name: str) -> dict[str, Any]:
         return self.get("nodes", "", name)
 
@@ -444,7 +454,7 @@ def _without_rv(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 _PATH = re.compile(
-    r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>nodes|configmaps|events)"
+    r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>nodes|configmaps|events|pods)"
     r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$"
 )
 
@@ -564,6 +574,22 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.api
         if method != "GET" and api.before_write is not None:
             api.before_write(method, path)
+        if method == "GET" and name is None and "as=PartialObjectMetadataList" in (self.headers.get("Accept") or ""):
+            items = api.list(
+                resource,
+                namespace if match["ns"] else None,
+                query.get("labelSelector", [""])[0],
+                query.get("fieldSelector", [""])[0],
+            )
+            return 200, {
+                "apiVersion": "meta.k8s.io/v1",
+                "kind": "PartialObjectMetadataList",
+                "metadata": {"resourceVersion": str(api.revision)},
+                "items": [
+                    {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": i["metadata"]}
+                    for i in items
+                ],
+            }
         if method == "GET" and name is None:
             return 200, RawJson(
                 api.list_json(

@@ -11,7 +11,9 @@ import kubernetes.client
 
 from agent.config import parse_config
 from agent.kube import KubeAgent
-from agent.state import STALE, WARMING_UP, CheckState, HealthState, ProbeSpec, Snapshot, Verdict
+from agent.reasons import STALE, WARMING_UP
+from agent.snapshot import CheckState, Snapshot, Verdict
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Event, Finding, Status
 from support.kube_double import ApiDouble
 
@@ -44,8 +46,7 @@ def health_state(
 ) -> HealthState:
     state = HealthState(
         node,
-        fail_threshold=fail_threshold,
-        recovery_threshold=recovery_threshold,
+        HealthSettings(fail_threshold=fail_threshold, recovery_threshold=recovery_threshold),
         clock=clock,
         monotonic=clock,
     )
@@ -86,7 +87,7 @@ def finding(check: str, status: str = "ok", reason: str = "", message: str = "",
 
 def snapshot_of(*findings: Finding, node: str = "n1") -> Snapshot:
     """A snapshot built by hand: the verdict's reasons are the failing and unknown findings, as /ready says."""
-    states = tuple(CheckState(f, f.check.split(".")[0], 1.0, 1.0, stale=f.reason == STALE) for f in findings)
+    states = tuple(CheckState(f, f.check.split(".")[0], 1.0, 1.0, stale=f.reason == STALE.code) for f in findings)
     reasons = tuple(f for f in findings if f.status in (Status.FAIL, Status.UNKNOWN))
     return Snapshot(
         node=node,
@@ -102,7 +103,7 @@ def snapshot_of(*findings: Finding, node: str = "n1") -> Snapshot:
 
 
 def warming(check: str) -> Finding:
-    return Finding(check, "", Status.UNKNOWN, WARMING_UP, "no result yet")
+    return Finding(check, "", Status.UNKNOWN, WARMING_UP.code, "no result yet")
 
 
 def node_object(
@@ -134,15 +135,18 @@ def make_agent(
     clock: Clock,
     seed: int = 0,
     client: kubernetes.client.ApiClient | None = None,
+    monotonic: Clock | None = None,
     **kube: Any,
 ) -> KubeAgent:
-    """An agent on the double; agents of a simulated fleet share one `client` (one connection pool)."""
+    """An agent on the double; agents of a simulated fleet share one `client` (one connection pool). Its timers
+    run on `monotonic`, by default the same simulated clock as its wall clock."""
     return KubeAgent(
         kube_config(**kube),
         state.node,
         lambda: state.snapshot,
         client or double.client(),
         clock=clock,
+        monotonic=monotonic or clock,
         rng=random.Random(seed),
     )
 

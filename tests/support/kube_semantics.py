@@ -20,8 +20,8 @@ MERGE_KEYS: dict[tuple[str, ...], str] = {
     ("metadata", "ownerReferences"): "uid",
 }
 
-KINDS = {"nodes": "Node", "configmaps": "ConfigMap", "events": "Event"}
-NAMESPACED = {"configmaps", "events"}
+KINDS = {"nodes": "Node", "configmaps": "ConfigMap", "events": "Event", "pods": "Pod"}
+NAMESPACED = {"configmaps", "events", "pods"}
 
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")

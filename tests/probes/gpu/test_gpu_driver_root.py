@@ -100,7 +100,8 @@ def test_device_nodes_without_any_tool_are_unknown_not_failed(tmp_path: Path) ->
     run = run_probe(tmp_path, None, "", {"nvml_library": str(tmp_path / "absent.so")}, dev, tmp_path / "host")
     assert run.result == "ok"
     assert {(f["check"], f["status"], f["reason"]) for f in run.findings} == {
-        (check, "unknown", "GpuToolMissing") for check in ("gpu.health", "gpu.throttle", "gpu.memory", "gpu.holders")
+        (check, "unknown", "GpuToolMissing")
+        for check in ("gpu.health", "gpu.throttle", "gpu.memory", "gpu.holders", "gpu.ledger")
     }
     message = run.finding("gpu.health", "")["message"]
     assert "2 GPUs expected (2 /dev/nvidiaN nodes)" in message and "run/nvidia/driver" in message

@@ -51,7 +51,7 @@ def test_healthy_gpus_every_check_ok_with_metrics_and_exactly_the_calls_the_fake
     assert health["uuid"] == "GPU-00000000-0000-0000-0000-000000000001"
     assert health["bus_id"] == "00000000:19:00.0"
     assert health["recovery_action"] == "None"
-    labels = {"gpu": "1", "uuid": "GPU-00000000-0000-0000-0000-000000000001", "name": "NVIDIA H100 80GB HBM3"}
+    labels = {"gpu": "1", "UUID": "GPU-00000000-0000-0000-0000-000000000001", "name": "NVIDIA H100 80GB HBM3"}
     assert run.sample("nodehealth_gpu_temperature_celsius", **labels) == 51
     assert run.sample("nodehealth_gpu_power_watts", **labels) == 312.5
     assert run.sample("nodehealth_gpu_memory_total_bytes", gpu="0") == GIB_80 << 20
@@ -373,7 +373,8 @@ def test_mps_servers_count_as_one_holder(tmp_path: Path, fake_nvml: Path) -> Non
 
 def test_gpu_identity_in_findings_metrics_and_the_device_inventory(tmp_path: Path, fake_nvml: Path) -> None:
     """Every finding about a GPU carries its UUID and its MIG devices' UUIDs (so /ready?devices=GPU-… and
-    MIG-… work); metrics carry pci_bus_id and uuid; the Bus-Ids go to the host's device inventory."""
+    MIG-… work); metrics carry pci_bus_id and UUID (dcgm-exporter's names); the Bus-Ids go to the host's device
+    inventory."""
     mig = ["MIG-11111111-2222-3333-4444-555555555555", "MIG-66666666-7777-8888-9999-000000000000"]
     text = device_config({"mig_uuid": mig, "ecc_uncorrected_volatile": 1}, {"error": "nvmlDeviceGetMigMode 3"})
     run = run_probe(tmp_path, fake_nvml.parent, text)
@@ -383,7 +384,7 @@ def test_gpu_identity_in_findings_metrics_and_the_device_inventory(tmp_path: Pat
         assert run.finding(check, "gpu1")["observed"]["device_ids"] == ["GPU-00000000-0000-0000-0000-000000000001"]
     assert run.finding("gpu.health", "gpu0")["reason"] == "GpuEccUncorrectable"
     assert "mig_mode" not in run.finding("gpu.health", "gpu1")["observed"].get("not_supported", [])
-    labels = {"gpu": "0", "uuid": gpu0, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
+    labels = {"gpu": "0", "UUID": gpu0, "name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
     assert run.sample("nodehealth_gpu_temperature_celsius", **labels) == 35
     assert sorted(run.devices) == [["gpu", 0, "gpu0", "0000:18:00.0"], ["gpu", 1, "gpu1", "0000:19:00.0"]]
     assert {"nvmlDeviceGetMigMode", "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetMigDeviceHandleByIndex"} <= set(

@@ -403,7 +403,7 @@ def test_cli_check_only_gpu_end_to_end(tmp_path: Path) -> None:
             {
                 "host": {"dev": str(tmp_path / "dev")},
                 "gpu": {"smi_command": [smi], "nvml_library": str(tmp_path / "absent.so")},
-                "kubernetes": {"enabled": False},
+                "kubernetes": {"enabled": False, "pod_resources_socket": str(tmp_path / "no-kubelet.sock")},
             }
         )
     )
@@ -425,7 +425,7 @@ def test_cli_check_only_gpu_end_to_end(tmp_path: Path) -> None:
     assert document["ready"] is False
     failing = [(f["check"], f["subject"], f["reason"]) for f in document["findings"] if f["status"] == "fail"]
     assert failing == [("gpu.health", "gpu1", "GpuRecoveryRequired")]
-    assert len(document["findings"]) == 32
+    assert len(document["findings"]) == 33  # 8 GPUs x 4 checks, and gpu.ledger's skip: no kubelet here
 
 
 def test_list_with_mig_devices_under_their_gpu() -> None:

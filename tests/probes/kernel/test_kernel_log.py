@@ -55,7 +55,7 @@ def test_parse_continuation_lines() -> None:
 def test_parse_escapes_and_extra_prefix_fields() -> None:
     record = parse_kmsg_record(b"4,5,6,c,caller=T12;first\\x0asecond \\x5c end \\xe2\\x9c\\x93\n DEVICE=k\\x3d1\n")
     assert record is not None
-    assert record.message == "first\nsecond \\ end \u2713"
+    assert record.message == "first\\x0asecond \\ end \u2713"  # a control character stays escaped
     assert record.flags == "c"
     assert record.properties == {"DEVICE": "k=1"}
 

@@ -228,7 +228,17 @@ def test_chips_publish_their_bus_ids_and_label_their_metrics(tmp_path: Path, fak
     assert device is not None and (device.kind, device.index, device.name) == ("npu", 0, "npu0")
     assert ctx.host.devices.at("0000:42:00.0").index == 7  # type: ignore[union-attr]
     labels = next(s.labels for s in samples if s.name == "nodehealth_npu_health" and s.labels["chip"] == "1")
-    assert labels == {"chip": "1", "card": "1", "name": "910B1", "pci_bus_id": "0000:01:00.0"}
+    # `id`: the physical id, npu-exporter's chip label; the pod labels are empty without a ledger.
+    assert labels == {
+        "chip": "1",
+        "card": "1",
+        "name": "910B1",
+        "pci_bus_id": "0000:01:00.0",
+        "id": "1",
+        "pod": "",
+        "namespace": "",
+        "container": "",
+    }
     # A run without a table keeps what is known: a chip that fell off the bus still has its bus id.
     fake.answer({"info": {"stdout": "dcmi module initialize failed. ret is -8005\n", "rc": 1}})
     run_probe(ctx)

@@ -52,7 +52,11 @@ def test_a3_table_through_npu_smi_on_path(tmp_path: Path, fake: FakeSmi) -> None
     assert sample(samples, "nodehealth_npu_temperature_celsius", 2) == 38
     assert sample(samples, "nodehealth_npu_health", 1) == 0
     labels = next(s.labels for s in samples if s.name == "nodehealth_npu_health" and s.labels["chip"] == "3")
-    assert labels == {"chip": "3", "card": "1", "name": "Ascend910", "pci_bus_id": "0000:39:00.0"}
+    assert labels == {"chip": "3", "card": "1", "name": "Ascend910", "pci_bus_id": "0000:39:00.0", "id": "3"} | {
+        "pod": "",
+        "namespace": "",
+        "container": "",
+    }
     assert fake.calls() == ["info", "info -m"]
 
 

@@ -14,7 +14,8 @@ import pytest
 from support.system import REPO
 
 from agent.config import parse_config
-from agent.state import HealthState, ProbeSpec
+from agent.ready import ReadyQuery, judge
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.pcie.aer import parse_aer_counters
 from probes.pcie.pcie import PcieProbe
@@ -250,9 +251,8 @@ def test_new_fatal_fails_and_holds_then_becomes_history(tree: SysTree) -> None:
     assert finding.observed["new_fatal"] == 1
     assert "SDES 1" in finding.observed["fatal_errors"]
     assert finding.hint
-    assert (
-        samples(out, "nodehealth_pcie_aer_errors_total")[(("device", "0000:01:00.0"), ("severity", "fatal"))].value == 1
-    )
+    fatal = (("pci_bus_id", "0000:01:00.0"), ("severity", "fatal"))
+    assert samples(out, "nodehealth_pcie_aer_errors_total")[fatal].value == 1
     # the other NPU and its ports stay ok
     assert findings(out, "pcie.aer")["0000:83:00.0"].status == Status.OK
 
@@ -333,7 +333,7 @@ def test_missing_aer_files_are_unsupported_and_malformed_are_unknown(tree: SysTr
     link = findings(out, "pcie.link")
     assert (aer["0000:74:02.0"].status, aer["0000:74:02.0"].reason) == (Status.SKIP, "Unsupported")
     assert (link["0000:74:02.0"].status, link["0000:74:02.0"].reason) == (Status.SKIP, "Unsupported")
-    assert "0000:74:02.0" not in {dict(s.labels).get("device") for s in out if isinstance(s, Sample)}
+    assert "0000:74:02.0" not in {dict(s.labels).get("pci_bus_id") for s in out if isinstance(s, Sample)}
     assert (aer["0000:01:00.0"].status, aer["0000:01:00.0"].reason) == (Status.UNKNOWN, "ParseError")
     assert aer["0000:83:00.0"].status == Status.OK
     assert sas.is_dir()
@@ -358,12 +358,12 @@ def test_link_degraded_width_and_speed(tree: SysTree) -> None:
     assert link["0000:83:00.0"].reason == "PcieLinkDegraded"
     assert "8 GT/s of 16 GT/s" in link["0000:83:00.0"].message
     widths = samples(out, "nodehealth_pcie_link_width_lanes")
-    assert widths[(("device", "0000:01:00.0"),)].value == 8
-    assert samples(out, "nodehealth_pcie_link_max_width_lanes")[(("device", "0000:01:00.0"),)].value == 16
+    assert widths[(("pci_bus_id", "0000:01:00.0"),)].value == 8
+    assert samples(out, "nodehealth_pcie_link_max_width_lanes")[(("pci_bus_id", "0000:01:00.0"),)].value == 16
     speeds = samples(out, "nodehealth_pcie_link_speed_transfers_per_second")
-    assert speeds[(("device", "0000:83:00.0"),)].value == 8e9
+    assert speeds[(("pci_bus_id", "0000:83:00.0"),)].value == 8e9
     max_speeds = samples(out, "nodehealth_pcie_link_max_speed_transfers_per_second")
-    assert max_speeds[(("device", "0000:83:00.0"),)].value == 16e9
+    assert max_speeds[(("pci_bus_id", "0000:83:00.0"),)].value == 16e9
     # speed may drop for power saving on some devices: the speed comparison can be turned off
     link = findings(PcieProbe(Clock()).run(ctx_for(tree, link_speed_check=False)), "pcie.link")
     assert link["0000:83:00.0"].status == Status.OK
@@ -436,10 +436,11 @@ def test_cli_check_json_on_a_sysfs_tree(tree: SysTree, tmp_path: Path) -> None:
 
 def ready(output: list[Finding | Sample], devices: set[int] | None) -> bool:
     """What /ready?devices= answers for this output, through the agent's own state and verdict."""
-    state = HealthState("node-a", fail_threshold=1, recovery_threshold=1)
+    state = HealthState("node-a", HealthSettings(fail_threshold=1, recovery_threshold=1))
     state.configure([ProbeSpec("pcie", PcieProbe.checks, 30.0, 5.0)])
     state.record("pcie", [item for item in output if isinstance(item, Finding)])
-    return state.snapshot.evaluate(devices=devices).ready
+    query = ReadyQuery(device_indices=None if devices is None else frozenset(devices))
+    return judge(state.current(), query).ready
 
 
 def test_errors_on_an_npu_or_the_port_above_it_carry_the_device(tree: SysTree) -> None:
@@ -485,7 +486,7 @@ def test_a_port_above_several_accelerators_reports_for_each(tree: SysTree) -> No
         assert (finding.status, finding.reason, finding.device) == (Status.WARN, "PcieLinkDegraded", device)
         assert finding.message.startswith(f"npu{device} (0000:91:00.{device - 2}), port 0000:90:00.0 above it:")
     # samples stay one set per function: 3 AER severities and 4 link gauges
-    assert len([s for s in out if isinstance(s, Sample) and s.labels.get("device") == "0000:90:00.0"]) == 7
+    assert len([s for s in out if isinstance(s, Sample) and s.labels.get("pci_bus_id") == "0000:90:00.0"]) == 7
     assert findings(out, "pcie.aer")["0000:91:00.1"].device == 3
 
 
@@ -508,3 +509,15 @@ def test_without_a_published_device_findings_are_node_wide(tree: SysTree) -> Non
     out = PcieProbe(Clock()).run(ctx_for(tree))
     assert all(f.device is None for f in out if isinstance(f, Finding))
     assert findings(out, "pcie.aer")["0000:83:00.0"].message.startswith("0000:83:00.0 (endpoint): ")
+
+
+def test_series_name_the_address_pci_bus_id_as_npu_smi_prints_it() -> None:
+    """The NPU series' and npu-exporter's form (upper-case hex), so the PCIe series join them without
+    label_replace; findings keep the kernel's lower-case form."""
+    from probes.pcie.pcie import link_samples, series_labels
+    from probes.pcie.sysfs import LinkState
+
+    assert series_labels("0000:c1:00.0") == {"pci_bus_id": "0000:C1:00.0"}
+    assert {s.labels["pci_bus_id"] for s in link_samples("0000:3b:00.0", LinkState(16, 16, 16.0, 16.0))} == {
+        "0000:3B:00.0"
+    }

@@ -135,6 +135,7 @@ def test_killed_baton_holder_leaves_a_stale_lock_live_holders_never_reported(tmp
         assert [item["path"] for item in baton.observed["stale_local"]] == [str(dead.path)]
         assert baton.observed["held"] == 1 and baton.observed["young"] == 1
         assert str(live.path) not in baton.message and str(dead.path) in baton.message
+        assert f"(rm {dead.path})" in baton.hint and "PATH" not in baton.hint  # the real path to remove
 
         hub_finding = findings[flock_glob]
         assert (hub_finding.status, hub_finding.reason) == (Status.FAIL, "StaleFileBaton"), hub_finding
@@ -424,24 +425,32 @@ def test_a_container_lock_is_not_removed_once_its_process_left_the_namespace(tmp
     assert not lock.exists()
 
 
-def test_waiter_candidates_are_sleeping_python_processes_never_zombies() -> None:
-    script = "import time; print('ready', flush=True); time.sleep(60)"
-    sleeping = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+def test_waiter_candidates_are_python_pollers_never_zombies_nor_long_sleepers() -> None:
+    """A loop around a short sleep (as lock waiters poll) is a candidate; a process sleeping for a minute, a
+    busy one and a zombie (still named python) are not."""
+    poll = "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.05)"
+    poller = subprocess.Popen([sys.executable, "-c", poll], stdout=subprocess.PIPE)
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE
+    )
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "print('ready', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE
+    )
     exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = [poller, sleeper, busy]
     try:
-        assert sleeping.stdout is not None and sleeping.stdout.readline() == b"ready\n"
+        for proc in started:
+            assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
         deadline = time.monotonic() + 10
         while Path(f"/proc/{exited.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
             assert time.monotonic() < deadline, "the child did not exit"
             time.sleep(0.02)
-        for _ in range(50):  # between two checks the sleeper may be on CPU for a moment
-            candidates = lock_waiter_candidates(Path("/proc"), 100_000)
-            if sleeping.pid in candidates:
-                break
-            time.sleep(0.02)
-        assert sleeping.pid in candidates
-        assert exited.pid not in candidates  # a zombie (still named python) polls nothing
+        candidates = lock_waiter_candidates(Path("/proc"), 100_000)
+        assert poller.pid in candidates
+        assert sleeper.pid not in candidates and busy.pid not in candidates
+        assert exited.pid not in candidates  # a zombie polls nothing
     finally:
-        sleeping.kill()
-        sleeping.wait()
+        for proc in started:
+            proc.kill()
+            proc.wait()
         exited.wait()

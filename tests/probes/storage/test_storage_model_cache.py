@@ -158,6 +158,15 @@ def test_cache_under_an_unmounted_share_says_mount_it_not_download(tmp_path: Pat
     assert finding.observed["mount"] == str(share)
 
 
+def test_an_unmounted_share_with_a_control_character_in_its_path_is_still_told(tmp_path: Path) -> None:
+    """Findings show their subject escaped: the probe must still pair the share's finding with its cache."""
+    share = tmp_path / "share\tcopy"
+    (share / "hf").mkdir(parents=True)
+    finding = run_cache_under_share(share / "hf", share, "nfs4")
+    assert (finding.status, finding.reason) == (Status.FAIL, "ModelCacheMountMissing"), finding
+    assert finding.subject == f"{tmp_path}/share\\x09copy/hf:{REPO}@main"
+
+
 @pytest.mark.system
 def test_cache_under_a_share_of_the_wrong_type_and_under_the_right_one(tmp_path: Path) -> None:
     require_root()

@@ -15,8 +15,7 @@ from support.system import fuse_capable, require_root, require_tool, wait_reaped
 
 from agent.config import ConfigError, parse_config
 from agent.scheduler import execute
-from agent.state import PARSE_ERROR
-from probes.base import Finding, ProbeContext, ProbeParseError, Sample, Status
+from probes.base import PARSE_ERROR, Finding, ProbeContext, ProbeParseError, Sample, Status
 from probes.runtime.children import ChildCalls
 from probes.runtime.host import Host
 from probes.storage.mounts import MountsProbe
@@ -197,7 +196,7 @@ def test_malformed_host_mount_table_makes_the_check_unknown(tmp_path: Path) -> N
     config = parse_config({"storage": {"mounts": [{"path": "/mnt/share", "fstype": "nfs4"}]}})
     result, findings, _ = execute(MountsProbe(), Host(proc=tmp_path), config, 5.0)
     assert result == "error"
-    assert [(f.check, f.status, f.reason) for f in findings] == [("storage.mounts", Status.UNKNOWN, PARSE_ERROR)]
+    assert [(f.check, f.status, f.reason) for f in findings] == [("storage.mounts", Status.UNKNOWN, PARSE_ERROR.code)]
 
 
 @pytest.mark.system
@@ -212,7 +211,8 @@ def test_kernel_escapes_in_a_real_mount_point(tmp_path: Path) -> None:
         entry = mount_at(parse_mountinfo(raw), str(odd))
         assert entry is not None and (entry.fstype, entry.source) == ("tmpfs", "nh test")
         findings, _ = run_mounts(Host(), [{"path": str(odd), "fstype": "tmpfs", "source": "nh test"}])
-        assert findings[str(odd)].status == Status.OK, findings[str(odd)]
+        subject = str(odd).replace("\t", "\\x09").replace("\n", "\\x0a")  # findings show it escaped
+        assert findings[subject].status == Status.OK, findings[subject]
     finally:
         subprocess.run(["umount", "-l", str(odd)], check=False)
 

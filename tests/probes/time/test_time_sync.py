@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import stat
 import struct
 import time
@@ -141,7 +142,9 @@ def test_warn_threshold(empty_root: Path) -> None:
         findings, _ = run_time(settings, empty_root)
     finding = findings[slightly.address]
     assert (finding.status, finding.reason) == (Status.WARN, "ClockSkew")
-    assert f"0.300 s ahead of {slightly.address}" in finding.message
+    # Measured over loopback on a loaded machine: within a few ms of 0.3 s.
+    assert re.search(rf"0\.(?:29\d|3[0-4]\d) s ahead of {re.escape(slightly.address)}", finding.message), finding
+    assert finding.observed["offset_seconds"] == pytest.approx(-0.3, abs=0.05)
 
 
 @pytest.mark.system
@@ -166,7 +169,8 @@ def test_a_falseticker_against_a_majority(empty_root: Path) -> None:
     assert findings[a.address].status is Status.OK and findings[b.address].status is Status.OK
     falseticker = findings[off.address]
     assert (falseticker.status, falseticker.reason) == (Status.WARN, "NtpServersDisagree")
-    assert "3.0" in falseticker.message and a.address in falseticker.message and b.address in falseticker.message
+    assert re.search(r"(?:2\.9\d\d|3\.0\d\d) s ahead of", falseticker.message), falseticker  # loopback, loaded
+    assert a.address in falseticker.message and b.address in falseticker.message
 
 
 @pytest.mark.system
@@ -222,7 +226,7 @@ def test_unsynced_kernel_and_offset_between_warn_and_fail_is_a_warning_not_a_fai
         findings, samples = run_time({"ntp_servers": [server.address], "chronyc_command": []}, empty_root)
     skew, kernel = findings[server.address], findings["kernel"]
     assert (skew.status, skew.reason) == (Status.WARN, "ClockSkew")
-    assert f"0.300 s behind {server.address}" in skew.message
+    assert re.search(rf"0\.(?:29\d|3[0-4]\d) s behind {re.escape(server.address)}", skew.message), skew
     assert (kernel.status, kernel.reason) == (Status.WARN, "ClockUnsynced")
     assert "STA_UNSYNC" in kernel.message or "TIME_ERROR" in kernel.message
     assert f"closest NTP server {server.address} puts it 0.3" in kernel.message

@@ -1,0 +1,126 @@
+"""The node's pods as the probes need them (`probes.runtime.podresources.pods.PodDirectory`): UID, namespace,
+name and Volcano's `huawei.com/AscendReal`, for the npu and gpu checks against the device plugin's ledger.
+
+The list is this node's pods' metadata only (`KubeApi.list_node_pods_metadata`: a field selector on
+spec.nodeName, resourceVersion=0 so the API server answers from its watch cache), made in this module's own
+thread: once at start, then only when a probe asks (`want_fresh`: a pod the list does not know yet, or one newer
+than the list), at most every `MIN_SECONDS_BETWEEN_LISTS`. A probe reads the last list (`current`) and never
+waits for the API. A failed list keeps the previous one and is retried at the next request, backed off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent.kube.client import KubeApi, short_error
+from probes.runtime.podresources.ledger import ASCEND_REAL_ANNOTATION
+from probes.runtime.podresources.pods import PodIndex, PodMeta
+
+log = logging.getLogger(__name__)
+
+MIN_SECONDS_BETWEEN_LISTS = 10.0
+MAX_PODS = 2000  # a node runs at most a few hundred (the kubelet's max-pods is 110 by default)
+KEPT_ANNOTATIONS = (ASCEND_REAL_ANNOTATION,)
+MAX_ANNOTATION_CHARS = 1024
+
+
+def pod_index(items: list[dict[str, Any]], fetched_at: float) -> PodIndex:
+    """The list's pods, with only the annotations the checks read (bounded)."""
+    pods = []
+    for metadata in items[:MAX_PODS]:
+        annotations = metadata.get("annotations") or {}
+        kept = {
+            key: str(annotations[key])[:MAX_ANNOTATION_CHARS]
+            for key in KEPT_ANNOTATIONS
+            if isinstance(annotations, dict) and key in annotations
+        }
+        pods.append(
+            PodMeta(
+                str(metadata.get("uid", "")), str(metadata.get("namespace", "")), str(metadata.get("name", "")), kept
+            )
+        )
+    return PodIndex(tuple(pods), fetched_at)
+
+
+class NodePods:
+    def __init__(
+        self,
+        api: Callable[[], KubeApi],
+        node: str,
+        clock: Callable[[], float] = time.time,
+        min_interval: float = MIN_SECONDS_BETWEEN_LISTS,
+    ) -> None:
+        self._api = api
+        self.node = node
+        self._clock = clock
+        self._min_interval = min_interval
+        self._index: PodIndex | None = None
+        self._wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_attempt = 0.0
+        self.lists = 0
+        self.last_error = ""
+
+    # --- what probes call (never blocks) ---------------------------------------------------------
+
+    def current(self) -> PodIndex | None:
+        return self._index
+
+    def want_fresh(self) -> None:
+        self._wanted.set()
+
+    # --- the thread --------------------------------------------------------------------------------
+
+    def refresh(self) -> bool:
+        """One list now (the thread's step; tests call it directly). False when it failed."""
+        self._last_attempt = time.monotonic()
+        started = self._clock()
+        try:
+            items = self._api().list_node_pods_metadata(self.node)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the previous list
+            if short_error(exc) != self.last_error:
+                log.warning("listing the node's pods failed: %s", short_error(exc))
+            self.last_error = short_error(exc)
+            return False
+        self._index = pod_index(items, started)
+        self.lists += 1
+        self.last_error = ""
+        return True
+
+    def start(self) -> None:
+        self._wanted.set()  # the first list at once
+        self._thread = threading.Thread(target=self._run, name="kube-pods", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wanted.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            self._wanted.wait()
+            if self._stop.is_set():
+                return
+            wait = self._last_attempt + self._min_interval * (2 ** min(failures, 5)) - time.monotonic()
+            if wait > 0 and self._stop.wait(wait):
+                return
+            self._wanted.clear()
+            failures = 0 if self.refresh() else failures + 1
+
+    def status(self) -> dict[str, Any]:
+        index = self._index
+        out: dict[str, Any] = {"lists": self.lists, "pods": len(index.pods) if index else None}
+        if index is not None:
+            out["listed_at"] = round(index.fetched_at, 3)
+        if self.last_error:
+            out["last_error"] = self.last_error
+        return out

@@ -1,0 +1,65 @@
+"""The reasons the agent itself gives (not a probe), declared once: the findings that carry them are built
+from these declarations (`Check(...).report(REASON, ...)`), so the fix a finding shows is the documented one.
+
+WarmingUp and Stale block readiness whether the check is required or not: they say the agent has no fresh
+result to vouch for the node with. The reference lists these beside the probes' own (node-health probes
+--reasons); ParseError, which any probe's parser may cause, is declared with the common reasons in
+probes.base.
+"""
+
+from __future__ import annotations
+
+from probes.base import Reason, Status
+
+WARMING_UP = Reason(
+    "WarmingUp",
+    Status.UNKNOWN,
+    "the check has not produced a result since the agent started; never ready meanwhile",
+    "wait one probe interval; /status shows when each probe last ran",
+)
+STALE = Reason(
+    "Stale",
+    Status.UNKNOWN,
+    "the last result is older than health.stale_after_intervals intervals: the probe is not running on schedule",
+    "see /healthz, /status and the agent log; a probe stuck on a hung filesystem or tool shows there",
+)
+PROBE_TIMEOUT = Reason(
+    "ProbeTimeout",
+    Status.UNKNOWN,
+    "the probe overran its deadline (a hung tool or filesystem); it is not restarted while it runs",
+    "see the agent log for the probe; check the host command or mount it was using",
+)
+PROBE_ERROR = Reason(
+    "ProbeError",
+    Status.UNKNOWN,
+    "the probe raised an exception; the message names it",
+    "see the agent log (logging.level: debug shows the traceback) and report it",
+)
+HBM_BELOW_REQUEST = Reason(
+    "HbmBelowRequest",
+    Status.FAIL,
+    "/ready?min_hbm_free_mib=N: a considered device has less free device memory than the job asked for",
+    "another process holds device memory: see the device's holders (npu.holders, gpu.holders), or ask for less",
+)
+HOST_MEM_BELOW_REQUEST = Reason(
+    "HostMemoryBelowRequest",
+    Status.FAIL,
+    "/ready?min_host_mem_mib=N or min_hugepages=N: the host has less available memory or fewer free hugepages "
+    "than the job asked for; unknown when host.memory has no current value to compare (never ready then)",
+    "stop leftovers of earlier jobs (processes: ps aux --sort=-rss | head; files left in tmpfs, which no process "
+    "shows: df -h -t tmpfs), or ask for less; when unknown, see the host probe in /status (a host may reserve no "
+    "hugepages at all)",
+    also=(Status.UNKNOWN,),
+)
+
+AGENT_REASONS: tuple[Reason, ...] = (
+    WARMING_UP,
+    STALE,
+    PROBE_TIMEOUT,
+    PROBE_ERROR,
+    HBM_BELOW_REQUEST,
+    HOST_MEM_BELOW_REQUEST,
+)
+
+# No fresh result to judge by: never ready, and Kubernetes holds what the Node carries until one comes.
+NO_FRESH_RESULT = frozenset({WARMING_UP.code, STALE.code})

@@ -1,0 +1,79 @@
+"""agent/kube/pods.py on the API double: the node's pods listed metadata-only from the watch cache, only this node's,
+only the annotations the device checks read; lists on request, never more often than the minimum interval; a
+failed list keeps the last one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from support.kube_double import ApiDouble
+
+from agent.kube.client import KubeApi
+from agent.kube.pods import NodePods
+from probes.runtime.podresources.ledger import ASCEND_REAL_ANNOTATION
+
+pytestmark = pytest.mark.system  # a server on 127.0.0.1
+
+
+def test_lists_this_nodes_pods_metadata_only_from_the_cache(double: ApiDouble) -> None:
+    double.add_node("a")
+    double.add_pod("team-a", "vc-0", "a", uid="1111", annotations={ASCEND_REAL_ANNOTATION: "Ascend910-3", "x": "y"})
+    double.add_pod("team-b", "other", "b")
+    pods = NodePods(lambda: KubeApi(double.client, 5), "a")
+    before = time.time()
+    assert pods.current() is None and pods.refresh()
+    index = pods.current()
+    assert index is not None and index.fetched_at >= before
+    assert [(p.uid, p.namespace, p.name, dict(p.annotations)) for p in index.pods] == [
+        ("1111", "team-a", "vc-0", {ASCEND_REAL_ANNOTATION: "Ascend910-3"})
+    ]
+    assert index.by_uid("1111") is index.by_name("team-a", "vc-0")
+    request = next(r for r in double.log if r.path == "/api/v1/pods")
+    assert request.query == {"fieldSelector": ["spec.nodeName=a"], "resourceVersion": ["0"]}
+    assert "as=PartialObjectMetadataList" in request.accept
+
+
+def test_lists_only_when_asked_and_at_most_every_min_interval(double: ApiDouble) -> None:
+    double.add_node("a")
+    pods = NodePods(lambda: KubeApi(double.client, 5), "a", min_interval=1.0)
+
+    def until(lists: int) -> None:
+        deadline = time.monotonic() + 10
+        while pods.lists < lists and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    pods.start()
+    try:
+        until(1)
+        assert pods.lists == 1  # the first list at start
+        time.sleep(0.3)
+        assert pods.lists == 1  # nobody asked
+        for _ in range(20):
+            pods.want_fresh()  # asked twenty times before the interval is over: one more list, after it
+        assert pods.lists == 1
+        until(2)
+        time.sleep(0.3)
+        assert pods.lists == 2
+        double.add_pod("team-a", "new", "a")
+        pods.want_fresh()
+        until(3)
+        index = pods.current()
+        assert index is not None and [p.name for p in index.pods] == ["new"]
+    finally:
+        pods.stop()
+
+
+def test_a_failed_list_keeps_the_last_one(double: ApiDouble) -> None:
+    double.add_node("a")
+    double.add_pod("team-a", "p", "a")
+    pods = NodePods(lambda: KubeApi(double.client, 2), "a")
+    assert pods.refresh()
+    double.outage()
+    try:
+        assert not pods.refresh()
+    finally:
+        double.restore()
+    index = pods.current()
+    assert index is not None and [p.name for p in index.pods] == ["p"] and pods.last_error
+    assert pods.status()["pods"] == 1 and "last_error" in pods.status()
