@@ -11,7 +11,7 @@ from agent.kube.events import EventQueue
 from agent.kube.policy import rfc3339, taint_key
 from probes.base import Sample
 
-WRITE_KINDS = ("node", "node_status", "event", "budget")
+WRITE_KINDS = ("node", "node_status", "event", "budget", "device_rule", "public_fault", "device_budget")
 
 
 class Reporting(Protocol):

@@ -211,7 +211,7 @@ def test_rbac_has_no_wildcards_and_binds_the_agent() -> None:
     for rule in role["rules"]:
         assert rule["resources"] == ["configmaps"]
         if set(rule["verbs"]) != {"create"}:
-            assert rule["resourceNames"] == ["node-health-budget"]
+            assert rule["resourceNames"] == ["node-health-budget", "node-health-device-budget"]
     subjects = [{"kind": "ServiceAccount", "name": "node-health", "namespace": NAMESPACE}]
     assert find("RoleBinding", "node-health-budget")["subjects"] == subjects
     assert find("ClusterRoleBinding", "node-health")["subjects"] == subjects

@@ -1,0 +1,251 @@
+"""Device isolation through DRA DeviceTaintRules, by the real reconciler on the API double (real client, HTTP)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from support.kube_devices import (
+    ASCEND,
+    CHIPS,
+    GPUS,
+    NVIDIA,
+    nvidia_devices,
+    publish_gpus,
+    publish_npus,
+    record_gpus,
+    record_npus,
+)
+from support.kube_double import ApiDouble
+from support.kube_dra import add_resource_slice
+from support.kube_helpers import Clock, conditions, health_state, make_agent, our_taints, record
+
+from agent.kube.client import KubeApi, PartialDeviceSelector
+from agent.kube.devices import rule_name
+
+PROBES = {"gpu": ("gpu.holders",), "npu": ("npu.holders",), "storage": ("storage.mounts",)}
+GPU3_RULE = rule_name("node-health", "gpu", "n1", NVIDIA, "gpu-5")  # GPU index 3 is /dev/nvidia5
+
+
+def rules(double: ApiDouble) -> dict[str, dict[str, Any]]:
+    return {r["metadata"]["name"]: r for r in double.device_taint_rules()}
+
+
+def isolated(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(json.loads((node["metadata"].get("annotations") or {}).get("node-health/isolated-devices", "[]")))
+
+
+def setup(double: ApiDouble, release: str = "1.37", **kube: Any) -> tuple[Any, Any, Clock]:
+    clock = Clock()
+    double.serve_dra(release)
+    double.add_node("n1")
+    publish_gpus(double, "n1")
+    publish_npus(double, "n1")
+    state = health_state("n1", clock, PROBES)
+    agent = make_agent(double, state, clock, max_unhealthy="100%", max_unhealthy_devices="100%", **kube)
+    record(state, "storage", "storage.mounts", "ok")
+    record_npus(state)
+    return state, agent, clock
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("release", ["1.37", "1.36"])
+def test_one_bad_gpu_gets_one_rule_and_no_node_taint(double: ApiDouble, release: str) -> None:
+    state, agent, _clock = setup(double, release)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+
+    stored = rules(double)
+    assert list(stored) == [GPU3_RULE], "exactly one rule, for the GPU the finding is about"
+    rule = stored[GPU3_RULE]
+    version = "v1" if release == "1.37" else "v1beta2"
+    assert rule["apiVersion"] == f"resource.k8s.io/{version}"
+    assert rule["spec"]["deviceSelector"] == {"driver": NVIDIA, "pool": "n1", "device": "gpu-5"}
+    assert {k: v for k, v in rule["spec"]["taint"].items() if k != "timeAdded"} == {
+        "key": "node-health/gpu",
+        "value": "GpuHeldOutOfBand",
+        "effect": "NoSchedule",
+    }
+    assert rule["spec"]["taint"]["timeAdded"], "set by the server"
+    assert rule["metadata"]["labels"] == {
+        "app.kubernetes.io/name": "node-health",
+        "app.kubernetes.io/component": "device-taint",
+        "node-health/node": "n1",
+        "node-health/category": "gpu",
+    }
+    creates = [w for w in double.writes if w.method == "POST" and "devicetaintrules" in w.path]
+    assert len(creates) == 1 and creates[0].status == 201
+
+    node = double.node("n1")
+    assert "gpu" not in our_taints(node), "the other seven GPUs stay schedulable"
+    condition = conditions(node)["GPUHealthy"]
+    assert condition["status"] == "False" and condition["reason"] == "GpuHeldOutOfBand"
+    assert f"gpu3 isolated by DeviceTaintRule {GPU3_RULE} (NoSchedule)" in condition["message"]
+    assert isolated(node) == [
+        {
+            "device": "gpu3",
+            "category": "gpu",
+            "reason": "GpuHeldOutOfBand",
+            "mechanism": "dra",
+            "effect": "NoSchedule",
+            "rules": [GPU3_RULE],
+        }
+    ]
+    assert agent.status()["devices"]["isolated"][0]["mechanism"] == "dra"
+
+
+@pytest.mark.system
+def test_reason_change_updates_the_rule_and_recovery_deletes_it(double: ApiDouble) -> None:
+    state, agent, clock = setup(double)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    added = rules(double)[GPU3_RULE]["spec"]["taint"]["timeAdded"]
+
+    clock.advance(30)
+    record_gpus(state, {3: "GpuSharedByPods"})
+    agent.reconcile_once()
+    rule = rules(double)[GPU3_RULE]
+    assert rule["spec"]["taint"]["value"] == "GpuSharedByPods"
+    assert rule["spec"]["taint"]["timeAdded"] == added, "the effect did not change"
+    assert rule["metadata"]["generation"] == 2
+    patches = [w for w in double.writes if w.method == "PATCH" and "devicetaintrules" in w.path]
+    assert len(patches) == 1 and patches[0].content_type == "application/merge-patch+json"
+    assert patches[0].body["metadata"]["resourceVersion"], "guarded by the rule's resourceVersion"
+
+    clock.advance(30)
+    before = len(double.writes)
+    agent.reconcile_once()
+    assert len(double.writes) == before, "nothing changed: nothing written"
+
+    clock.advance(30)
+    record_gpus(state)
+    agent.reconcile_once()
+    assert rules(double) == {}
+    node = double.node("n1")
+    assert conditions(node)["GPUHealthy"]["status"] == "True"
+    assert "node-health/isolated-devices" not in (node["metadata"].get("annotations") or {})
+    deletes = [w for w in double.writes if w.method == "DELETE"]
+    assert len(deletes) == 1 and deletes[0].body["preconditions"]["resourceVersion"]
+
+
+@pytest.mark.system
+def test_one_bad_npu_on_an_ascend_slice_is_matched_by_physical_id(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double)
+    record_gpus(state)
+    record_npus(state, {2: "NpuHeldOutOfBand"})
+    agent.reconcile_once()
+    chip = CHIPS[2]
+    name = rule_name("node-health", "npu", "n1", ASCEND, f"ascend910-{chip.physical_id}")
+    assert list(rules(double)) == [name]
+    assert rules(double)[name]["spec"]["deviceSelector"]["device"] == "ascend910-6"
+    node = double.node("n1")
+    assert our_taints(node) == {}
+    assert f"npu2 isolated by DeviceTaintRule {name}" in conditions(node)["NPUHealthy"]["message"]
+
+
+@pytest.mark.system
+def test_without_dra_the_node_is_tainted_as_today(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double, "none")
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    node = double.node("n1")
+    assert our_taints(node) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}
+    assert rules(double) == {}
+    message = conditions(node)["GPUHealthy"]["message"]
+    assert "gpu3 falls back to the node taint: the cluster serves no resource.k8s.io (no DRA)" in message
+    assert isolated(node)[0]["mechanism"] == "node"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in agent.samples()}
+    assert samples[("nodehealth_devices_isolated", (("mechanism", "node"),))] == 1.0
+    assert samples[("nodehealth_devices_isolated", (("mechanism", "dra"),))] == 0.0
+
+
+@pytest.mark.system
+def test_dra_without_taint_rules_falls_back_and_says_why(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double, "1.36-no-taint-rules")
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    node = double.node("n1")
+    assert our_taints(node) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}
+    assert "serves no DeviceTaintRules" in conditions(node)["GPUHealthy"]["message"]
+
+
+@pytest.mark.system
+def test_an_unmappable_device_gets_the_node_taint_and_the_fallback_is_reported(double: ApiDouble) -> None:
+    clock = Clock()
+    double.serve_dra("1.37")
+    double.add_node("n1")
+    publish_gpus(double, "n1", GPUS[:3])  # the slice lists gpu0..gpu2 only
+    state = health_state("n1", clock, PROBES)
+    agent = make_agent(double, state, clock, max_unhealthy="100%")
+    record(state, "storage", "storage.mounts", "ok")
+    record_npus(state)
+    record_gpus(state, {1: "GpuHeldOutOfBand", 6: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    node = double.node("n1")
+    assert list(rules(double)) == [rule_name("node-health", "gpu", "n1", NVIDIA, "gpu-1")]
+    assert our_taints(node) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}, "gpu6 is on no slice: the node"
+    message = conditions(node)["GPUHealthy"]["message"]
+    assert "gpu6 falls back to the node taint: gpu6 is not published in a ResourceSlice of this node" in message
+    by_device = {entry["device"]: entry for entry in agent.status()["devices"]["isolated"]}
+    assert by_device["gpu6"]["mechanism"] == "node" and by_device["gpu1"]["mechanism"] == "dra"
+    metric = [s for s in agent.samples() if s.name == "nodehealth_device_isolation" and s.labels["device"] == "gpu6"]
+    assert metric[0].labels["why"] == "not_published"
+
+
+@pytest.mark.system
+def test_storage_failing_at_the_same_time_still_taints_the_node(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    record(state, "storage", "storage.mounts", "fail", "MountMissing")
+    agent.reconcile_once()
+    node = double.node("n1")
+    assert our_taints(node) == {"storage": ("MountMissing", "NoSchedule")}
+    assert list(rules(double)) == [GPU3_RULE]
+
+
+@pytest.mark.system
+def test_a_device_published_outside_its_node_pool_is_not_tainted(double: ApiDouble) -> None:
+    clock = Clock()
+    double.serve_dra("1.37")
+    double.add_node("n1")
+    add_resource_slice(double, "n1-gpus", "n1", NVIDIA, nvidia_devices(), pool="shared-pool")
+    state = health_state("n1", clock, PROBES)
+    agent = make_agent(double, state, clock, max_unhealthy="100%")
+    record(state, "storage", "storage.mounts", "ok")
+    record_npus(state)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    assert rules(double) == {}
+    assert our_taints(double.node("n1")) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}
+    assert "pool 'shared-pool' is not the node's name" in agent.status()["devices"]["slice_notes"][0]
+
+
+def test_a_partial_selector_is_refused_before_it_is_sent() -> None:
+    """An empty or partial deviceSelector matches every device of the cluster: the client never sends one."""
+    calls: list[str] = []
+
+    class NoClient:
+        def param_serialize(self, **kwargs: Any) -> Any:
+            calls.append(kwargs["resource_path"])
+            raise AssertionError("sent")
+
+    api = KubeApi(lambda: NoClient(), 1.0)  # type: ignore[arg-type,return-value]
+    taint = {"key": "node-health/gpu", "value": "X", "effect": "NoSchedule"}
+    for selector in (
+        {},
+        {"driver": NVIDIA},
+        {"driver": NVIDIA, "pool": "n1"},
+        {"driver": NVIDIA, "pool": "n1", "device": ""},
+        {"driver": NVIDIA, "pool": "n1", "device": "gpu-3", "deviceClassName": "gpu.nvidia.com"},
+        None,
+    ):
+        spec: dict[str, Any] = {"taint": taint}
+        if selector is not None:
+            spec["deviceSelector"] = selector
+        body = {"metadata": {"name": "r"}, "spec": spec}
+        with pytest.raises(PartialDeviceSelector):
+            api.create_device_taint_rule("v1", body)
+        with pytest.raises(PartialDeviceSelector):
+            api.patch_device_taint_rule("v1", "r", body)
+    assert calls == []
