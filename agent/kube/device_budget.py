@@ -327,6 +327,23 @@ class DeviceBudget:
                 return gone
         raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
 
+    def would_grant(
+        self, settings: DeviceBudgetSettings, wanted: Collection[str], isolated: Collection[str]
+    ) -> DeviceGrant:
+        """What acquire would answer, read-only (a dry run): counts the devices itself when no count is fresh."""
+        state = self._read()
+        now = self._clock()
+        fleet = state.fleet
+        if self._count_due(fleet, settings, now):
+            fleet = replace(fleet, nodes=count_devices(self._api, settings))
+        mine = state.slots.get(self.node, (frozenset(), now))[0]
+        limit = budget_limit(settings.max_unhealthy, fleet.nodes or 0)
+        new = set(wanted) - mine
+        adopted = new & set(isolated)
+        room = limit - _used(state.slots) - len(adopted)
+        held = frozenset(mine | adopted | set(sorted(new - adopted)[: max(0, room)]))
+        return DeviceGrant(held, _used(state.slots) + len(held - mine), limit, fleet.nodes or 0)
+
     def usage(self) -> tuple[dict[str, frozenset[str]], Fleet]:
         """The slots per node and the fleet record (read-only: the fleet view, dry runs)."""
         state = self._read()

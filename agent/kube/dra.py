@@ -66,6 +66,7 @@ class RuleResult:
     rule: dict[str, Any] | None  # as stored after the write; None: not written
     wrote: str = ""  # "created", "updated", "" (already as wanted)
     error: str = ""
+    exc: BaseException | None = None  # the API error behind `error`, for its kind
 
 
 class RuleWriter:
@@ -86,7 +87,7 @@ class RuleWriter:
                 return self._create(isolation, rule, labels)
             return self._update(rule, current)
         except Exception as exc:  # noqa: BLE001 - the device falls back to the node taint and the error is reported
-            return RuleResult(rule.name, None, error=short_error(exc))
+            return RuleResult(rule.name, None, error=short_error(exc), exc=exc)
 
     def _create(self, isolation: Isolation, rule: RuleSpec, labels: Mapping[str, str]) -> RuleResult:
         body = rule_body(self.version, rule.name, labels, isolation.device, self.prefix, rule.spec)
@@ -108,11 +109,11 @@ class RuleWriter:
         body = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "spec": dict(rule.spec)}
         return RuleResult(rule.name, self.api.patch_device_taint_rule(self.version, rule.name, body), "updated")
 
-    def delete(self, rule: Mapping[str, Any]) -> str:
-        """'' when the rule is gone; else the error (a 409: it changed since it was read; read again next pass)."""
+    def delete(self, rule: Mapping[str, Any]) -> BaseException | None:
+        """None when the rule is gone; else the error (a 409: it changed since it was read; read again next pass)."""
         metadata = rule["metadata"]
         try:
             self.api.delete_device_taint_rule(self.version, metadata["name"], str(metadata.get("resourceVersion")))
         except Exception as exc:  # noqa: BLE001 - kept, and tried again on the next pass
-            return short_error(exc)
-        return ""
+            return exc
+        return None

@@ -17,7 +17,8 @@ annotation; node-wide problems (npu-smi failing, storage, network, ...) taint th
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,10 +44,12 @@ from agent.kube.policy import (
     clip,
     isolated_devices_key,
 )
+from agent.kube.publicfault import ActiveFault, FaultKey
 from agent.state import Snapshot
 
 FINE = ("dra", "public_fault")  # isolated on the device itself
 MECHANISMS = ("dra", "public_fault", "node", "prefer", "none", "withheld")
+_DEVICE_NAME = re.compile(r"^(npu|gpu)(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,52 @@ def decide(
 def as_fallback(isolation: Isolation, policy: KubernetesConfig, why: str, why_code: str) -> Isolation:
     """A finer isolation that could not be written falls back to the node (fail closed)."""
     return replace(isolation, mechanism=policy.device_fallback, rules=(), codes={}, why=why, why_code=why_code)
+
+
+def _ref_of(name: str) -> DeviceRef | None:
+    match = _DEVICE_NAME.match(name)
+    return DeviceRef(match[1], int(match[2])) if match else None
+
+
+def kept_isolations(
+    rules: Iterable[Mapping[str, Any]],
+    fault_devices: Iterable[str],
+    held: frozenset[str],
+    wants: Mapping[DeviceRef, Want],
+    prefix: str,
+) -> list[Isolation]:
+    """What a previous run isolated in a category without fresh results stays, as its node taint does: its rules
+    (by the device each names) and, with the npu category held, its chips with a public fault."""
+    out: dict[DeviceRef, Isolation] = {}
+    for rule in rules:
+        ref = _ref_of(str((rule["metadata"].get("annotations") or {}).get(f"{prefix}/device", "")))
+        if ref is None or ref.category not in held or ref in wants:
+            continue
+        taint = (rule.get("spec") or {}).get("taint") or {}
+        spec = RuleSpec(rule["metadata"]["name"], Published("", "", "", ""), rule.get("spec") or {})
+        previous = out.get(ref) or Isolation(ref, "dra", str(taint.get("value", "")), str(taint.get("effect", "")))
+        out[ref] = replace(previous, rules=(*previous.rules, spec))
+    for name in fault_devices:
+        ref = _ref_of(name)
+        if ref is not None and ref not in wants and ref not in out:
+            out[ref] = Isolation(ref, "public_fault", "")
+    return list(out.values())
+
+
+def active_faults(isolations: Sequence[Isolation]) -> dict[FaultKey, ActiveFault]:
+    """The public faults that should be `occur`: one per chip and fault code of its problems."""
+    out: dict[FaultKey, ActiveFault] = {}
+    for isolation in isolations:
+        if isolation.mechanism != "public_fault" or isolation.want is None or isolation.physical_id is None:
+            continue
+        for state in isolation.want.states:
+            code = isolation.codes.get(state.finding.reason)
+            if code is None:
+                continue
+            text = f"node-health {state.finding.reason} on {isolation.device}: {state.finding.message}"
+            key = (isolation.physical_id, code)
+            out.setdefault(key, ActiveFault(isolation.device, isolation.physical_id, code, text))
+    return out
 
 
 # --- what the Node carries ------------------------------------------------------------------------------------

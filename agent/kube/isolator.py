@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +31,7 @@ from agent.kube.device_budget import DeviceBudget, DeviceBudgetSettings, DeviceG
 from agent.kube.devices import (
     DeviceRef,
     Published,
+    Want,
     device_wants,
     held_categories,
     identities,
@@ -40,14 +40,21 @@ from agent.kube.devices import (
 )
 from agent.kube.devices import published_devices as parse_published
 from agent.kube.dra import Discovery, RuleWriter, discover, own_rules
-from agent.kube.isolation import Isolation, Mechanisms, RuleSpec, adjust_desired, as_fallback, decide
+from agent.kube.isolation import (
+    Isolation,
+    Mechanisms,
+    active_faults,
+    adjust_desired,
+    as_fallback,
+    decide,
+    kept_isolations,
+)
 from agent.kube.policy import Desired
 from agent.kube.publicfault import ActiveFault, FaultKey, PublicFaults
 from agent.state import Snapshot
 
 log = logging.getLogger("agent.kube")
 DEVICE_SUPPRESSED = "DeviceTaintSuppressedByBudget"
-_DEVICE_NAME = re.compile(r"^(npu|gpu)(\d+)$")
 
 
 @dataclass
@@ -66,11 +73,6 @@ class _Removals:
     fault_devices: set[str] = field(default_factory=set)
     keep_faults: set[FaultKey] = field(default_factory=set)
     keep_slots: frozenset[str] | None = None
-
-
-def _ref_of(name: str) -> DeviceRef | None:
-    match = _DEVICE_NAME.match(name)
-    return DeviceRef(match[1], int(match[2])) if match else None
 
 
 class DeviceIsolator:
@@ -220,23 +222,9 @@ class DeviceIsolator:
         faults = self._faults.occurring() if self._faults is not None else {}
         return bool(self._rules) or bool(faults) or bool(self._held)
 
-    def _kept(self, held: frozenset[str], wants: dict[DeviceRef, Any], policy: KubernetesConfig) -> list[Isolation]:
-        """What a previous run isolated in a category without fresh results stays, as its node taint does."""
-        out: dict[DeviceRef, Isolation] = {}
-        for rule in (self._rules or {}).values():
-            ref = _ref_of(str((rule["metadata"].get("annotations") or {}).get(f"{policy.key_prefix}/device", "")))
-            if ref is None or ref.category not in held or ref in wants:
-                continue
-            taint = (rule.get("spec") or {}).get("taint") or {}
-            spec = RuleSpec(rule["metadata"]["name"], Published("", "", "", ""), rule.get("spec") or {})
-            previous = out.get(ref) or Isolation(ref, "dra", str(taint.get("value", "")), str(taint.get("effect", "")))
-            out[ref] = replace(previous, rules=(*previous.rules, spec))
-        if "npu" in held and self._faults is not None:
-            for name in self._faults_devices():
-                ref = _ref_of(name)
-                if ref is not None and ref not in wants and ref not in out:
-                    out[ref] = Isolation(ref, "public_fault", "", codes={})
-        return list(out.values())
+    def _kept(self, held: frozenset[str], wants: Mapping[DeviceRef, Want], policy: KubernetesConfig) -> list[Isolation]:
+        faults = self._faults_devices() if "npu" in held else []
+        return kept_isolations((self._rules or {}).values(), faults, held, wants, policy.key_prefix)
 
     def _faults_devices(self) -> list[str]:
         return self._faults.isolated_devices() if self._faults is not None else []
@@ -276,7 +264,9 @@ class DeviceIsolator:
         present = self._present(policy) & fine
         if fine <= (self._held or frozenset()):
             return isolations
-        if not policy.dry_run and now >= self._retry_at and now >= self._budget_retry_at:
+        if policy.dry_run:
+            return self._would_budget(isolations, policy, fine, present)
+        if now >= self._retry_at and now >= self._budget_retry_at:
             try:
                 budget, settings = self._budget(policy), self._settings(policy)
                 refused = budget.peek(settings) if self._denied else None
@@ -295,6 +285,19 @@ class DeviceIsolator:
                 self._budget_backoff.reset()
         granted = (self._held or frozenset()) | present
         return [i if not i.fine or i.device in granted else self._withhold(i) for i in isolations]
+
+    def _would_budget(
+        self, isolations: list[Isolation], policy: KubernetesConfig, fine: set[str], present: set[str]
+    ) -> list[Isolation]:
+        try:
+            self.grant = self._budget(policy).would_grant(self._settings(policy), fine, present)
+        except Exception as exc:  # noqa: BLE001
+            why = self._error(exc, "device budget not read")
+            return [as_fallback(i, policy, why, "budget_error") if i.fine else i for i in isolations]
+        taken = self.grant.held - (self._held or frozenset())
+        if taken:
+            self.would_write.append({"kind": "device_budget", "what": f"take slots for {', '.join(sorted(taken))}"})
+        return [i if not i.fine or i.device in self.grant.held else self._withhold(i) for i in isolations]
 
     def _withhold(self, isolation: Isolation) -> Isolation:
         grant = self.grant
@@ -346,7 +349,7 @@ class DeviceIsolator:
                 return as_fallback(isolation, policy, "the API is backing off: rule not written", "write_failed")
             result = writer.ensure(isolation, rule, current)
             if result.rule is None:
-                self._error(RuntimeError(result.error), f"DeviceTaintRule {rule.name}")
+                self._error(result.exc or RuntimeError(result.error), f"DeviceTaintRule {rule.name}")
                 self._rules = None  # read again: what is stored is not known
                 return as_fallback(isolation, policy, f"DeviceTaintRule not written: {result.error}", "write_failed")
             rules[rule.name] = result.rule
@@ -362,7 +365,7 @@ class DeviceIsolator:
         chosen = [i for i in isolations if i.mechanism == "public_fault" and i.want is not None]
         if faults is None:
             return isolations
-        active = _active_faults(chosen)
+        active = active_faults(chosen)
         # Recoveries wait for finish(): every fault occurring now stays, and so do the devices it names.
         devices = {i.device for i in isolations if i.mechanism == "public_fault"} | set(faults.isolated_devices())
         keep = set(faults.occurring())
@@ -386,7 +389,7 @@ class DeviceIsolator:
         removals = _Removals(rules=[r for n, r in (self._rules or {}).items() if n not in wanted_rules])
         if self._faults is not None:
             chosen = [i for i in isolations if i.mechanism == "public_fault" and i.want is not None]
-            removals.active = _active_faults(chosen)
+            removals.active = active_faults(chosen)
             removals.keep_faults = set(self._faults.occurring()) if "npu" in held else set()
             removals.fault_devices = {i.device for i in isolations if i.mechanism == "public_fault"}
             removals.recover = bool(set(self._faults.occurring()) - removals.active.keys() - removals.keep_faults)
@@ -421,8 +424,8 @@ class DeviceIsolator:
         for rule in removals.rules:
             name = rule["metadata"]["name"]
             error = writer.delete(rule)
-            if error:
-                self._error(RuntimeError(error), f"DeviceTaintRule {name} not deleted")
+            if error is not None:
+                self._error(error, f"DeviceTaintRule {name} not deleted")
                 self._rules = None
                 return False
             (self._rules or {}).pop(name, None)
@@ -477,19 +480,3 @@ class IsolatorView:
     would_write: tuple[dict[str, Any], ...]
     errors: Counter[str]
     last_error: str
-
-
-def _active_faults(isolations: list[Isolation]) -> dict[FaultKey, ActiveFault]:
-    out: dict[FaultKey, ActiveFault] = {}
-    for isolation in isolations:
-        if isolation.want is None or isolation.physical_id is None:
-            continue
-        for state in isolation.want.states:
-            code = isolation.codes.get(state.finding.reason)
-            if code is None:
-                continue
-            text = f"node-health {state.finding.reason} on {isolation.device}: {state.finding.message}"
-            out.setdefault(
-                (isolation.physical_id, code), ActiveFault(isolation.device, isolation.physical_id, code, text)
-            )
-    return out

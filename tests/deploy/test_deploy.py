@@ -155,6 +155,8 @@ def test_no_admission_policy_component_leaves_out_only_the_policy(tmp_path: Path
     assert set(full) - set(older) == {
         ("ValidatingAdmissionPolicy", "node-health-own-node"),
         ("ValidatingAdmissionPolicyBinding", "node-health-own-node"),
+        ("ValidatingAdmissionPolicy", "node-health-own-devices"),
+        ("ValidatingAdmissionPolicyBinding", "node-health-own-devices"),
     }
     assert set(older) < set(full)
 

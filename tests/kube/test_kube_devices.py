@@ -249,3 +249,155 @@ def test_a_partial_selector_is_refused_before_it_is_sent() -> None:
         with pytest.raises(PartialDeviceSelector):
             api.patch_device_taint_rule("v1", "r", body)
     assert calls == []
+
+
+# --- lifecycle ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_a_restart_or_stale_results_keep_the_rule_until_fresh_results_decide(double: ApiDouble) -> None:
+    state, agent, clock = setup(double)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    assert list(rules(double)) == [GPU3_RULE]
+
+    restarted = health_state("n1", clock, PROBES)  # a new run: every check WarmingUp
+    again = make_agent(double, restarted, clock, max_unhealthy="100%", max_unhealthy_devices="100%")
+    again.reconcile_once()
+    assert list(rules(double)) == [GPU3_RULE], "kept while the gpu checks have no result"
+    assert "gpu" not in our_taints(double.node("n1"))
+
+    clock.advance(200)  # the first run's results are now stale
+    agent.reconcile_once()
+    assert list(rules(double)) == [GPU3_RULE], "kept while the results are stale"
+
+    record(restarted, "storage", "storage.mounts", "ok")
+    record_npus(restarted)
+    record_gpus(restarted)
+    again.reconcile_once()
+    assert rules(double) == {}, "fresh results: recovered"
+
+
+@pytest.mark.system
+def test_a_device_that_disappears_goes_to_the_node_taint_and_its_rule_is_collected(double: ApiDouble) -> None:
+    state, agent, clock = setup(double)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    gone = [d for d in nvidia_devices() if d["name"] != "gpu-5"]
+    double.mutate("resourceslices", "", "n1-gpu.nvidia.com-x7k2p", lambda s: s["spec"].update({"devices": gone}))
+    clock.advance(700)  # past dra_recheck_seconds: the slices are read again
+    record(state, "storage", "storage.mounts", "ok")
+    record_npus(state)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    order: list[str] = []
+    double.before_write = lambda method, path: order.append(f"{method} {path}")
+    agent.reconcile_once()
+    assert rules(double) == {}
+    assert our_taints(double.node("n1")) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}
+    node_patch = order.index("PATCH /api/v1/nodes/n1")
+    rule_delete = next(i for i, w in enumerate(order) if w.startswith("DELETE"))
+    assert node_patch < rule_delete, "the node taint is on before the rule goes: never neither"
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    "change",
+    [{"disabled_reasons": ["GpuHeldOutOfBand"]}, {"disabled_checks": ["gpu.holders"]}, {"device_isolation": False}],
+)
+def test_the_config_no_longer_producing_a_rule_collects_it(double: ApiDouble, change: dict[str, Any]) -> None:
+    from support.kube_helpers import kube_config
+
+    state, agent, _clock = setup(double)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    assert list(rules(double)) == [GPU3_RULE]
+    agent.reconfigure(kube_config(max_unhealthy="100%", max_unhealthy_devices="100%", **change))
+    agent.reconcile_once()
+    assert rules(double) == {}
+    tainted = our_taints(double.node("n1"))
+    assert tainted == ({"gpu": ("GpuHeldOutOfBand", "NoSchedule")} if "device_isolation" in change else {})
+
+
+@pytest.mark.system
+def test_a_foreign_rule_of_the_same_name_is_left_alone_and_the_node_is_tainted(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double)
+    foreign = {
+        "metadata": {"name": GPU3_RULE, "labels": {"team": "ml"}},
+        "spec": {
+            "deviceSelector": {"driver": NVIDIA, "pool": "n1", "device": "gpu-5"},
+            "taint": {"key": "team/maintenance", "effect": "NoSchedule"},
+        },
+    }
+    double.create("devicetaintrules", "", foreign, api_version="resource.k8s.io/v1")
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    assert rules(double)[GPU3_RULE]["spec"]["taint"]["key"] == "team/maintenance", "untouched"
+    node = double.node("n1")
+    assert our_taints(node) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}
+    assert "exists and is not ours" in conditions(node)["GPUHealthy"]["message"]
+
+
+@pytest.mark.system
+def test_rules_refused_by_the_api_fall_back_to_the_node_taint(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double)
+    double.inject(path="devicetaintrules$", method="POST", status=403, times=-1)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    node = double.node("n1")
+    assert our_taints(node) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}, "fail closed"
+    assert agent.status()["devices"]["errors"] == {"forbidden": 1}
+    assert agent.status()["errors"] == {}, "the pass itself succeeded"
+    assert agent.status()["devices"]["isolated"][0]["why"].startswith("DeviceTaintRule not written: HTTP 403")
+
+
+@pytest.mark.system
+def test_a_warning_is_an_informational_rule_and_noexecute_needs_allowing(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double, allow_noexecute=True, effects={"GpuEccUncorrectable": "NoExecute"})
+    from support.kube_devices import GPUS, gpu_finding
+
+    findings = [gpu_finding(g, "gpu.holders") for g in GPUS]
+    findings[1] = gpu_finding(GPUS[1], "gpu.holders", "warn", "GpuHeldOutOfBand")
+    findings[2] = gpu_finding(GPUS[2], "gpu.holders", "fail", "GpuEccUncorrectable")
+    state.record("gpu", findings)
+    agent.reconcile_once()
+    effects = {r["spec"]["deviceSelector"]["device"]: r["spec"]["taint"]["effect"] for r in rules(double).values()}
+    assert effects == {"gpu-1": "None", "gpu-2": "NoExecute"}
+    assert our_taints(double.node("n1")) == {}
+
+
+@pytest.mark.system
+def test_dry_run_writes_no_rule(double: ApiDouble) -> None:
+    state, agent, _clock = setup(double, dry_run=True)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    assert rules(double) == {}
+    assert [w for w in double.writes if "devicetaintrules" in w.path] == []
+    would = agent.status()["devices"]["would_write"]
+    assert {w["kind"] for w in would} == {"device_budget", "device_rule"}
+    assert any(GPU3_RULE in w["what"] for w in would)
+
+
+# --- device-plugin clusters: the fallback --------------------------------------------------------------------
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    "mode,bad,taint",
+    [
+        ("node", {3: "GpuHeldOutOfBand"}, ("GpuHeldOutOfBand", "NoSchedule")),
+        ("prefer", {3: "GpuHeldOutOfBand"}, ("GpuHeldOutOfBand", "PreferNoSchedule")),
+        ("prefer", dict.fromkeys(range(4), "GpuHeldOutOfBand"), ("GpuHeldOutOfBand", "NoSchedule")),
+        ("none", {3: "GpuHeldOutOfBand"}, None),
+    ],
+)
+def test_device_fallback_modes(double: ApiDouble, mode: str, bad: dict[int, str], taint: Any) -> None:
+    state, agent, _clock = setup(double, "none", device_fallback=mode)
+    record_gpus(state, bad)
+    agent.reconcile_once()
+    node = double.node("n1")
+    assert our_taints(node).get("gpu") == taint
+    entries = isolated(node)
+    assert {e["device"] for e in entries} == {f"gpu{i}" for i in bad}, "the annotation in every mode"
+    assert {e["mechanism"] for e in entries} == {mode}
+    if mode == "none":
+        assert "the pre-flight turns jobs away" in conditions(node)["GPUHealthy"]["message"]
