@@ -250,7 +250,7 @@ def _category_taint(
     return _merge(taint, category_intents(category, states, effective)[0])
 
 
-def _note(isolation: Isolation, budget: str) -> str:
+def _note(isolation: Isolation) -> str:
     device = isolation.device
     if isolation.mechanism == "dra":
         rules = ", ".join(rule.name for rule in isolation.rules)
@@ -259,18 +259,20 @@ def _note(isolation: Isolation, budget: str) -> str:
         codes = ", ".join(sorted(set(isolation.codes.values())))
         return f"{device} isolated by MindCluster public fault {codes}"
     if isolation.mechanism == "withheld":
-        return f"{device} isolation withheld: {isolation.why or budget}"
+        return f"{device} isolation withheld: {isolation.why}"
     if isolation.mechanism == "none":
         return f"{device} not isolated (device_fallback none; the pre-flight turns jobs away): {isolation.why}"
     how = "node taint" if isolation.mechanism == "node" else "node taint, PreferNoSchedule while few devices are bad"
     return f"{device} falls back to the {how}: {isolation.why}"
 
 
-def _condition(intent: ConditionIntent, notes: list[str]) -> ConditionIntent:
+def _condition(intent: ConditionIntent, notes: list[str], counts: str) -> ConditionIntent:
+    """Notes head the summary (a change of them is a change of the condition); counts that change while nothing else
+    does (the device budget's use) go with the measured details, written at the heartbeat."""
     if intent.action != "set" or not notes:
         return intent
     summary = clip("; ".join([*notes, intent.summary]), SUMMARY_LIMIT)
-    details = intent.message[len(intent.summary) :].removeprefix(DETAILS)
+    details = "; ".join(p for p in (counts, intent.message[len(intent.summary) :].removeprefix(DETAILS)) if p)
     message = clip(f"{summary}{DETAILS}{details}" if details else summary)
     return replace(intent, summary=summary, message=message)
 
@@ -290,7 +292,8 @@ def adjust_desired(
     budget: str = "",
 ) -> Desired:
     """`desired` with the devices isolated finer than the node out of its taints, and each device named in its
-    category's condition; devices_known: per category, how many devices the node has (the prefer fraction)."""
+    category's condition; devices_known: per category, how many devices the node has (the prefer fraction);
+    budget: the device budget's use, for the details of a condition with a withheld device."""
     by_category: dict[str, list[Isolation]] = {}
     for isolation in isolations:
         by_category.setdefault(isolation.ref.category, []).append(isolation)
@@ -301,7 +304,12 @@ def adjust_desired(
         for t in desired.taints
     )
     conditions = tuple(
-        _condition(c, [_note(i, budget) for i in by_category.get(c.category, ())]) for c in desired.conditions
+        _condition(
+            c,
+            [_note(i) for i in by_category.get(c.category, ())],
+            budget if any(i.mechanism == "withheld" for i in by_category.get(c.category, ())) else "",
+        )
+        for c in desired.conditions
     )
     annotation = (isolated_devices_key(policy.key_prefix), annotation_value(isolations))
     return replace(desired, taints=taints, conditions=conditions, annotations=(*desired.annotations, annotation))

@@ -129,28 +129,34 @@ class DeviceIsolator:
     # --- what the cluster offers ---------------------------------------------------------------------
 
     def _mechanisms(self, policy: KubernetesConfig, now: float, wanted: frozenset[DeviceRef]) -> Mechanisms:
+        """What the cluster offers, refreshed when due; on an API error (or while backing off from one) what was
+        read before stands, so a transient error does not move isolated devices to the node taint and back."""
         pf = policy.mindcluster.public_fault
-        base = Mechanisms(prefix=policy.key_prefix, node=self.node, node_label=self.node_label, public_fault=pf.enabled)
-        if now < self._retry_at:
-            return replace(base, public_fault=pf.enabled and self._faults is not None, no_dra="the API is backing off")
-        try:
-            discovery = self._discover(policy, now, bool(wanted))
-            if self.node_label is not None:
-                self._load_faults(policy)
-        except Exception as exc:  # noqa: BLE001 - every device falls back to the node
-            why = self._error(exc, "resource.k8s.io not read")
-            return replace(base, public_fault=pf.enabled and self._faults is not None, no_dra=why)
-        if pf.enabled and self.node_label is None:
-            base = replace(base, public_fault=False)
+        base = Mechanisms(prefix=policy.key_prefix, node=self.node, node_label=self.node_label)
+        offline = "the API is backing off" if now < self._retry_at else ""
+        if not offline:
+            try:
+                self._discover(policy, now, bool(wanted))
+                if self.node_label is not None:
+                    self._load_faults(policy)
+            except Exception as exc:  # noqa: BLE001 - what was read before stands
+                offline = self._error(exc, "resource.k8s.io not read")
+        base = replace(base, public_fault=pf.enabled and self._faults is not None)
+        discovery = self._discovery
         if not policy.device_isolation:
             return replace(base, no_dra="kubernetes.device_isolation is off")
+        if discovery is None:
+            return replace(base, no_dra=offline)
         if discovery.rules is None or self.node_label is None:
             return replace(base, no_dra=discovery.why_not)
-        try:
-            published = self._published(policy, discovery, now, wanted)
-        except Exception as exc:  # noqa: BLE001
-            return replace(base, no_dra=self._error(exc, "ResourceSlices not read"))
-        return replace(base, rules_version=discovery.rules, published=published)
+        if not offline:
+            try:
+                self._published(policy, discovery, now, wanted)
+            except Exception as exc:  # noqa: BLE001
+                offline = self._error(exc, "ResourceSlices not read")
+        if self._slices is None:
+            return replace(base, no_dra=offline)
+        return replace(base, rules_version=discovery.rules, published=self._slices)
 
     def _discover(self, policy: KubernetesConfig, now: float, needed: bool) -> Discovery:
         recheck = policy.dra_recheck_seconds
@@ -169,16 +175,18 @@ class DeviceIsolator:
 
     def _published(
         self, policy: KubernetesConfig, discovery: Discovery, now: float, wanted: frozenset[DeviceRef]
-    ) -> list[Published]:
-        """This node's published devices: re-read when a device to map appears, and every recheck period."""
-        if not wanted or discovery.slices is None:
-            return self._slices or []
+    ) -> None:
+        """This node's published devices: read when a device to map appears, and again every recheck period."""
+        if discovery.slices is None:
+            self._slices = []
+            return
+        if not wanted:
+            return
         fresh = now - self._slices_at <= policy.dra_recheck_seconds
         if self._slices is None or not fresh or not wanted <= (self._slices_key or frozenset()):
             items = self._api().list_resource_slices(discovery.slices, self.node)
             self._slices, self._slice_notes = parse_published(items, self.node, policy.dra_drivers)
             self._slices_key, self._slices_at = wanted, now
-        return self._slices
 
     def _load_faults(self, policy: KubernetesConfig) -> None:
         """This node's public-fault ConfigMap, read once while public faults are on. Turned off on a running
@@ -216,7 +224,9 @@ class DeviceIsolator:
             self._announce(isolations)
             self.isolations = tuple(isolations)
             counts = Counter(ref.category for ref in known)
-            return adjust_desired(desired, snapshot, isolations, policy, counts)
+            grant = self.grant
+            used = f"device budget: {grant.used} of {grant.limit} devices isolated" if grant else ""
+            return adjust_desired(desired, snapshot, isolations, policy, counts, used)
 
     def _owns_anything(self) -> bool:
         faults = self._faults.occurring() if self._faults is not None else {}
@@ -306,7 +316,7 @@ class DeviceIsolator:
         elif grant is not None and grant.limit == 0 and grant.devices == 0:
             why = "the device budget counts no device in the fleet (kubernetes.dra_drivers, device_resources)"
         elif grant is not None:
-            why = f"the device budget is spent ({grant.used} of {grant.limit} devices)"
+            why = "the device budget is spent"
         else:
             why = "the device budget has not been asked yet"
         return replace(isolation, mechanism="withheld", rules=(), codes={}, why=why, why_code="budget")
@@ -459,11 +469,13 @@ class DeviceIsolator:
             )
 
     def _announce(self, isolations: list[Isolation]) -> None:
+        """One Event per pass in which devices turn withheld (a fleet-wide false positive must not add one Event per
+        chip to the incident)."""
         withheld = {i.device: i for i in isolations if i.mechanism == "withheld"}
-        for device in sorted(withheld.keys() - self._withheld):
-            isolation = withheld[device]
-            message = f"{device}: {isolation.reason} not isolated: {isolation.why}"
-            self._hooks.event(DEVICE_SUPPRESSED, message, True)
+        new = sorted(withheld.keys() - self._withheld)
+        if new:
+            named = ", ".join(f"{device} ({withheld[device].reason})" for device in new)
+            self._hooks.event(DEVICE_SUPPRESSED, f"not isolated: {named}: {withheld[new[0]].why}", True)
         self._withheld = set(withheld)
 
 
