@@ -70,9 +70,12 @@ def _faults(
         try:
             if dry_run:
                 count = sum(1 for f in parse_faults(configmap) if f["assertion"] == "occur")
-                out(f"{where}: would recover {count} fault(s)")
+                if count:
+                    out(f"{where}: would recover {count} fault(s)")
                 continue
-            out(f"{where}: recovered {recover_all(api, configmap, clock)} fault(s)")
+            count = recover_all(api, configmap, clock)
+            if count:
+                out(f"{where}: recovered {count} fault(s)")
         except Exception as exc:  # noqa: BLE001
             out(f"{where}: not recovered: {short_error(exc)}")
             ok = False
