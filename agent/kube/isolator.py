@@ -59,7 +59,7 @@ DEVICE_SUPPRESSED = "DeviceTaintSuppressedByBudget"
 
 @dataclass
 class Hooks:
-    """What the isolator tells the reconciler: writes made, writes a dry run would make, Events."""
+    """What the isolator tells the reconciler: the writes it made (for the write counters and /status), Events."""
 
     wrote: Callable[[str, str], None]
     event: Callable[[str, str, bool], None]
