@@ -85,6 +85,9 @@ class DeviceIsolator:
         self._clock = clock
         self._rng = rng
         self._hooks = hooks
+        # The pass lock is held through a pass and its API calls; the view lock only while counters are read or
+        # changed, so /status and /metrics never wait for the API.
+        self._pass_lock = threading.Lock()
         self._lock = threading.Lock()
         self.errors: Counter[str] = Counter()
         self.last_error = ""
@@ -112,7 +115,7 @@ class DeviceIsolator:
         self._withheld: set[str] = set()
 
     def reconfigure(self) -> None:
-        with self._lock:
+        with self._pass_lock:
             self._reset()
 
     # --- errors ------------------------------------------------------------------------------------
@@ -121,8 +124,9 @@ class DeviceIsolator:
         kind = classify(exc)
         delay = self._backoff.next_delay()
         self._retry_at = self._clock() + delay
-        self.errors[kind] += 1
-        self.last_error = f"{what}: {kind}: {short_error(exc)}"
+        with self._lock:
+            self.errors[kind] += 1
+            self.last_error = f"{what}: {kind}: {short_error(exc)}"
         log.warning("kubernetes: devices: %s; retrying in %.1fs", self.last_error, delay)
         return self.last_error
 
@@ -207,7 +211,7 @@ class DeviceIsolator:
     # --- one pass -------------------------------------------------------------------------------------
 
     def prepare(self, snapshot: Snapshot, desired: Desired, policy: KubernetesConfig, now: float) -> Desired:
-        with self._lock:
+        with self._pass_lock:
             self.would_write = [] if policy.dry_run else self.would_write
             wants = device_wants(snapshot, policy)
             known = identities(snapshot.checks)
@@ -409,7 +413,7 @@ class DeviceIsolator:
 
     def finish(self, policy: KubernetesConfig, now: float) -> None:
         """What prepare planned to take away: rules deleted, faults recovered, then their slots given back."""
-        with self._lock:
+        with self._pass_lock:
             removals, self._removals = self._removals, None
             if removals is None or now < self._retry_at:
                 return

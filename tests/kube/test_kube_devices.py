@@ -401,3 +401,22 @@ def test_device_fallback_modes(double: ApiDouble, mode: str, bad: dict[int, str]
     assert {e["mechanism"] for e in entries} == {mode}
     if mode == "none":
         assert "the pre-flight turns jobs away" in conditions(node)["GPUHealthy"]["message"]
+
+
+@pytest.mark.system
+def test_status_and_metrics_do_not_wait_for_a_slow_device_api(double: ApiDouble) -> None:
+    import threading
+    import time
+
+    state, agent, _ = setup(double)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    double.inject(path="/resourceslices$", method="GET", delay=3.0)
+    reconciling = threading.Thread(target=agent.reconcile_once)
+    reconciling.start()
+    while not any(r.endswith("/resourceslices") for _, r in double.requests):
+        time.sleep(0.01)  # until the pass waits on the slow slice list
+    status, samples = agent.status(), agent.samples()
+    assert reconciling.is_alive(), "answered while the pass still waits for the API"
+    assert status["devices"]["isolated"] == [] and samples
+    reconciling.join()
+    assert list(rules(double)) == [GPU3_RULE]

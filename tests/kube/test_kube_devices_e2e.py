@@ -22,7 +22,7 @@ NODE = "fake-node-1"
 LET_IT_TAINT = {"max_unhealthy": "100%"}
 
 
-def wait_for(what: str, check: Callable[[], Any], node: FakeNode, timeout: float = 60.0) -> Any:
+def wait_for(what: str, check: Callable[[], Any], node: FakeNode, timeout: float = 120.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         result = check()
