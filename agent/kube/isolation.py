@@ -68,6 +68,7 @@ class Mechanisms:
     no_dra: str = "the cluster serves no DeviceTaintRules"  # why DRA does not apply, when it does not
     node_label: str | None = None  # the node's name as a label value (None: too long for one)
     public_fault: bool = False
+    public_fault_error: str = ""  # public faults are on but their ConfigMap could not be read: the chips fall back
     prefix: str = "node-health"
     node: str = ""
 
@@ -120,6 +121,8 @@ def _fallback(want: Want, policy: KubernetesConfig, why: str, why_code: str) -> 
 
 def decide_one(want: Want, identity: Identity, mechanisms: Mechanisms, policy: KubernetesConfig) -> Isolation:
     """The mechanism for one device; the budget and the writes may still change it."""
+    if want.ref.category == "npu" and mechanisms.public_fault_error:
+        return _fallback(want, policy, mechanisms.public_fault_error, "write_failed")
     if want.ref.category == "npu" and mechanisms.public_fault:
         if identity.physical_id is None:
             return _fallback(want, policy, "npu-smi gave no physical id for a public fault", "no_physical_id")

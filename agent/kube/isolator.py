@@ -145,7 +145,9 @@ class DeviceIsolator:
                     self._load_faults(policy)
             except Exception as exc:  # noqa: BLE001 - what was read before stands
                 offline = self._error(exc, "resource.k8s.io not read")
-        base = replace(base, public_fault=pf.enabled and self._faults is not None)
+        loaded = self._faults is not None
+        missing = "the public-fault ConfigMap is not read yet" if pf.enabled and not loaded else ""
+        base = replace(base, public_fault=pf.enabled and loaded, public_fault_error=offline and missing)
         discovery = self._discovery
         if not policy.device_isolation:
             return replace(base, no_dra="kubernetes.device_isolation is off")

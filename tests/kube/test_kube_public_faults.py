@@ -179,3 +179,21 @@ def test_turned_off_on_a_running_agent_the_faults_recover_and_the_node_takes_ove
     assert our_taints(double.node("n1")) == {"npu": ("NpuHeldOutOfBand", "NoSchedule")}
     (fault,) = check_payload(configmap(double)["data"]["PublicFault"], "node-health", "n1")["faults"]
     assert fault["assertion"] == "recover"
+
+
+@pytest.mark.system
+def test_an_unreadable_public_fault_configmap_leaves_the_chip_on_the_node_taint(double: ApiDouble) -> None:
+    """Fail closed, and no detour through a DeviceTaintRule the next pass would take back."""
+    state, agent, clock = setup(double, "1.37")
+    double.inject(path=f"/configmaps/{NAME}$", method="GET", status=500)
+    record_npus(state, {2: "NpuHeldOutOfBand"})
+    agent.reconcile_once()
+    assert our_taints(double.node("n1")) == {"npu": ("NpuHeldOutOfBand", "NoSchedule")}
+    assert double.device_taint_rules() == []
+    assert agent.status()["devices"]["errors"] == {"server": 1}
+    clock.advance(5)  # past the backoff: read, and written
+    others_ok(state)
+    record_npus(state, {2: "NpuHeldOutOfBand"})
+    agent.reconcile_once()
+    assert our_taints(double.node("n1")) == {}
+    assert [f["assertion"] for f in json.loads(configmap(double)["data"]["PublicFault"])["faults"]] == ["occur"]
