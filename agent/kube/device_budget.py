@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
+from agent.config import KubernetesConfig
 from agent.kube.budget import Fleet, budget_limit
 from agent.kube.client import BudgetConflict, KubeApi, is_status
 from agent.kube.devices import own_rules_selector
@@ -63,6 +64,25 @@ class DeviceBudgetSettings:
     @property
     def percentage(self) -> bool:
         return self.max_unhealthy.strip().endswith("%")
+
+    @classmethod
+    def from_policy(
+        cls, policy: KubernetesConfig, slices_version: str | None, rules_version: str | None
+    ) -> DeviceBudgetSettings:
+        pf = policy.mindcluster.public_fault
+        return cls(
+            policy.max_unhealthy_devices,
+            policy.budget_node_selector,
+            policy.budget_grace_seconds,
+            policy.budget_recount_seconds,
+            max(30.0, 3 * policy.request_timeout_seconds),
+            policy.key_prefix,
+            tuple(policy.dra_drivers),
+            tuple(policy.device_resources),
+            slices_version,
+            rules_version,
+            pf.namespace if pf.enabled else None,
+        )
 
 
 @dataclass

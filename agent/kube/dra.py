@@ -4,7 +4,8 @@ agent's own rules, written so that nothing but its own rules is ever touched.
 - Discovery asks `/apis/resource.k8s.io/v1`, then `v1beta2` (1.36 serves DeviceTaintRules there, with the
   DRADeviceTaintRules gate on): at most two GETs, cached by the isolator for `dra_recheck_seconds`.
 - Slices: one list with the field selector `spec.nodeName=<node>`.
-- Rules: listed by the agent's labels with this node's name; created with `fieldValidation=Strict`; changed by a
+- Rules: listed by the agent's labels with this node's name at start, later read back by name (`dra_recheck_seconds`);
+  created with `fieldValidation=Strict`; changed by a
   JSON merge patch carrying the rule's resourceVersion (and its whole spec, so a selector someone narrowed or
   widened is put back); deleted with the resourceVersion as a precondition. A create answered 409 (the name is
   taken) reads the rule: one carrying the agent's labels for this node is adopted, any other is left alone and the
@@ -58,6 +59,19 @@ def own_rules(api: KubeApi, version: str, prefix: str, node_label: str) -> dict[
     """The agent's rules of this node, by name (the label selector, then the labels checked again)."""
     items = api.list_device_taint_rules(version, own_rules_selector(prefix, node_label))
     return {r["metadata"]["name"]: r for r in items if is_own_rule(r, prefix, node_label)}
+
+
+def refreshed_rules(
+    api: KubeApi, version: str, known: dict[str, dict[str, Any]], prefix: str, node_label: str
+) -> dict[str, dict[str, Any]]:
+    """The agent's known rules read again by name (a GET each: what the periodic check costs is the node's own
+    rules, not a list of every rule of the cluster); one deleted or no longer ours is dropped (and made again)."""
+    out = {}
+    for name in known:
+        rule = api.get_device_taint_rule(version, name)
+        if rule is not None and is_own_rule(rule, prefix, node_label):
+            out[name] = rule
+    return out
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from agent.kube.devices import (
     same_spec,
 )
 from agent.kube.devices import published_devices as parse_published
-from agent.kube.dra import Discovery, RuleWriter, discover, own_rules
+from agent.kube.dra import Discovery, RuleWriter, discover, own_rules, refreshed_rules
 from agent.kube.isolation import (
     Isolation,
     Mechanisms,
@@ -172,8 +172,11 @@ class DeviceIsolator:
         assert self._discovery is not None
         version = self._discovery.rules
         if version is not None and self.node_label is not None:
-            if self._rules is None or (self._rules and now - self._rules_at > recheck):
+            if self._rules is None:  # at start, or after a write whose outcome is not known: find them all
                 self._rules = own_rules(self._api(), version, policy.key_prefix, self.node_label)
+                self._rules_at = now
+            elif self._rules and now - self._rules_at > recheck:  # read back by name: O(own rules), no list
+                self._rules = refreshed_rules(self._api(), version, self._rules, policy.key_prefix, self.node_label)
                 self._rules_at = now
         elif version is None:
             self._rules = {}
@@ -249,19 +252,8 @@ class DeviceIsolator:
 
     def _settings(self, policy: KubernetesConfig) -> DeviceBudgetSettings:
         discovery = self._discovery
-        pf = policy.mindcluster.public_fault
-        return DeviceBudgetSettings(
-            policy.max_unhealthy_devices,
-            policy.budget_node_selector,
-            policy.budget_grace_seconds,
-            policy.budget_recount_seconds,
-            max(30.0, 3 * policy.request_timeout_seconds),
-            policy.key_prefix,
-            tuple(policy.dra_drivers),
-            tuple(policy.device_resources),
-            discovery.slices if discovery else None,
-            discovery.rules if discovery else None,
-            pf.namespace if pf.enabled else None,
+        return DeviceBudgetSettings.from_policy(
+            policy, discovery.slices if discovery else None, discovery.rules if discovery else None
         )
 
     def _budget(self, policy: KubernetesConfig) -> DeviceBudget:

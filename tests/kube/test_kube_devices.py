@@ -420,3 +420,20 @@ def test_status_and_metrics_do_not_wait_for_a_slow_device_api(double: ApiDouble)
     assert status["devices"]["isolated"] == [] and samples
     reconciling.join()
     assert list(rules(double)) == [GPU3_RULE]
+
+
+@pytest.mark.system
+def test_a_rule_deleted_by_hand_is_made_again_after_the_recheck_by_name(double: ApiDouble) -> None:
+    state, agent, clock = setup(double)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    agent.reconcile_once()
+    double.delete("devicetaintrules", "", GPU3_RULE)
+    clock.advance(700)  # past dra_recheck_seconds
+    record(state, "storage", "storage.mounts", "ok")
+    record_npus(state)
+    record_gpus(state, {3: "GpuHeldOutOfBand"})
+    start = len(double.log)
+    agent.reconcile_once()
+    assert list(rules(double)) == [GPU3_RULE], "made again"
+    checks = [r for r in double.log[start:] if "devicetaintrules" in r.path and r.method == "GET"]
+    assert [r.path.rsplit("/", 1)[-1] for r in checks] == [GPU3_RULE], "read back by name, not a list of every rule"
