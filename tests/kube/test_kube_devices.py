@@ -437,3 +437,31 @@ def test_a_rule_deleted_by_hand_is_made_again_after_the_recheck_by_name(double: 
     assert list(rules(double)) == [GPU3_RULE], "made again"
     checks = [r for r in double.log[start:] if "devicetaintrules" in r.path and r.method == "GET"]
     assert [r.path.rsplit("/", 1)[-1] for r in checks] == [GPU3_RULE], "read back by name, not a list of every rule"
+
+
+@pytest.mark.system
+def test_a_gpu_with_a_mig_device_published_apart_gets_a_rule_for_each(double: ApiDouble) -> None:
+    from support.kube_devices import gpu_finding
+
+    clock = Clock()
+    double.serve_dra("1.37")
+    double.add_node("n1")
+    gpu = GPUS[3]
+    mig = "MIG-0a1b2c3d-0000-5555-6666-777788889999"
+    devices = [
+        *nvidia_devices(GPUS[:3]),
+        {"name": "gpu-5", "attributes": {"uuid": {"string": gpu.uuid}}},
+        {"name": "gpu-5-mig-1g10gb-0", "attributes": {"uuid": {"string": mig}, "parentUUID": {"string": gpu.uuid}}},
+    ]
+    add_resource_slice(double, "n1-gpus", "n1", NVIDIA, devices)
+    state = health_state("n1", clock, PROBES)
+    agent = make_agent(double, state, clock, max_unhealthy_devices="100%")
+    record(state, "storage", "storage.mounts", "ok")
+    record_npus(state)
+    held = gpu_finding(gpu, "gpu.holders", "fail", "GpuHeldOutOfBand")
+    held = type(held)(**{**held.__dict__, "observed": {**held.observed, "device_ids": [gpu.uuid, mig]}})
+    state.record("gpu", [held])
+    agent.reconcile_once()
+    selected = sorted(r["spec"]["deviceSelector"]["device"] for r in rules(double).values())
+    assert selected == ["gpu-5", "gpu-5-mig-1g10gb-0"]
+    assert "gpu" not in our_taints(double.node("n1"))
