@@ -1,4 +1,4 @@
-"""node-health command line: check, run, probes, config, diagnose, cleanup."""
+"""node-health command line: check, run, probes, config, diagnose, cleanup, fleet."""
 
 from __future__ import annotations
 
@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--node", metavar="NAME", help="this node (default: node_name, $NODE_NAME, the hostname)")
     which.add_argument("--all-nodes", action="store_true", help="every node of the cluster")
     cleanup.add_argument("--dry-run", action="store_true", help="print what would be removed, change nothing")
+
+    fleet = sub.add_parser(
+        "fleet", help="every node the agents marked: problems, isolated devices, withheld taints, the budgets"
+    )
+    fleet.add_argument("--config", metavar="FILE", help="YAML config file (key_prefix, budgets, kubeconfig)")
+    fleet.add_argument("--selector", metavar="LABELS", default="", help="only the nodes matching this label selector")
+    fleet.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     return parser
 
 
@@ -231,6 +238,13 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return main_cleanup(config, args.node, args.all_nodes, args.dry_run)
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    config = load_config(args.config, all_probes())
+    from agent.kube.fleet import main_fleet  # the kubernetes client is heavy: only when used
+
+    return main_fleet(config, args.selector, args.json)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("text", "warning" if args.command != "run" else "info")
@@ -245,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_diagnose(args)
         if args.command == "cleanup":
             return cmd_cleanup(args)
+        if args.command == "fleet":
+            return cmd_fleet(args)
         if args.command == "run":
             # Keys this release does not know are set aside with a warning (agent/configcompat.py): a rollback
             # under a ConfigMap written for a newer release must not crash-loop every agent.

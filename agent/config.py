@@ -13,7 +13,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
@@ -71,6 +71,40 @@ class ProbeSchedule(Section):
 RESERVED_KEY_PREFIXES = ("kubernetes.io", "k8s.io")
 
 
+# Fault codes (9 digits, registered in ClusterD's publicCustomization.json) of the per-chip NPU problems.
+DEFAULT_PUBLIC_FAULT_CODES = {
+    "NpuHeldOutOfBand": "160010001",
+    "NpuSharedByPods": "160010002",
+    "NpuHbmLeaked": "160010003",
+    "NpuHbmLow": "160010004",
+    "NpuHealthWarning": "160010005",
+    "NpuHealthAlarm": "160010006",
+    "NpuHealthCritical": "160010007",
+    "NpuMissing": "160010008",
+    "PcieFatalErrors": "160010009",
+    "PcieNonFatalErrors": "160010010",
+    "PcieCorrectableBurst": "160010011",
+    "PcieLinkDegraded": "160010012",
+}
+FaultCode = Annotated[str, Field(pattern=r"^[0-9]{9}$")]
+
+
+class PublicFaultConfig(Section):
+    """MindCluster ClusterD public faults: per-chip NPU problems written to a ConfigMap ClusterD reads."""
+
+    enabled: bool = False
+    # The fault sender (`resource`), registered in publicFaultResource of ClusterD's publicCustomization.json.
+    sender: str = Field("node-health", pattern=r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$")
+    namespace: str = Field("mindx-dl", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    # Reason → faultCode; a per-chip NPU reason not listed takes default_code.
+    codes: dict[str, FaultCode] = DEFAULT_PUBLIC_FAULT_CODES
+    default_code: FaultCode = "160010000"
+
+
+class MindClusterConfig(Section):
+    public_fault: PublicFaultConfig = PublicFaultConfig()
+
+
 class KubernetesConfig(Section):
     enabled: bool = True
     key_prefix: str = "node-health"
@@ -109,6 +143,25 @@ class KubernetesConfig(Section):
     pod_resources_timeout_seconds: PositiveSeconds = 1.0
     conflict_retries: int = Field(5, ge=0, le=50)
     poll_seconds: PositiveSeconds = 1.0
+    # Device isolation (docs/kubernetes.md, Device isolation): a problem of one NPU or GPU is isolated on that
+    # device through the cluster's device APIs, the node taint only where nothing finer applies.
+    device_isolation: bool = True  # DRA DeviceTaintRules where the cluster serves them
+    # Where neither a DeviceTaintRule nor a public fault applies: node (taint the node, as for any problem),
+    # prefer (PreferNoSchedule while fewer than device_fallback_max_fraction of the node's devices are bad,
+    # NoSchedule above), none (leave scheduling alone; the job pre-flight /ready?devices= turns jobs away).
+    device_fallback: Literal["node", "prefer", "none"] = "node"
+    device_fallback_max_fraction: float = Field(0.5, gt=0, le=1)
+    # Device budget: at most this many of the fleet's devices isolated at once (count or percentage).
+    max_unhealthy_devices: str = "10%"
+    device_budget_configmap: str = "node-health-device-budget"
+    # DRA drivers whose ResourceSlices name the node's accelerators (matched and counted).
+    dra_drivers: list[str] = ["gpu.nvidia.com", "npu.huawei.com", "ascend.project-hami.io"]
+    # Extended resources a device-plugin node advertises its accelerators as (fnmatch), for the device count.
+    device_resources: list[str] = ["nvidia.com/gpu", "huawei.com/Ascend*", "huawei.com/npu*"]
+    # Which resource.k8s.io version serves DeviceTaintRules is asked again, and the node's slices re-read, this
+    # often while devices are isolated.
+    dra_recheck_seconds: PositiveSeconds = 600.0
+    mindcluster: MindClusterConfig = MindClusterConfig()
 
     @field_validator("key_prefix")
     @classmethod
@@ -132,7 +185,7 @@ class KubernetesConfig(Section):
             )
         return value
 
-    @field_validator("max_unhealthy", mode="before")
+    @field_validator("max_unhealthy", "max_unhealthy_devices", mode="before")
     @classmethod
     def _count_or_percent(cls, value: Any) -> str:
         text = str(value).strip()
@@ -142,7 +195,7 @@ class KubernetesConfig(Section):
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError("must be a count (e.g. 5) or a percentage of nodes (e.g. '10%')")
+            raise ValueError("must be a count (e.g. 5) or a percentage (e.g. '10%')")
         return text
 
 

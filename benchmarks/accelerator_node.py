@@ -1,8 +1,8 @@
 """A fake 16-NPU + 8-GPU node for the footprint and CPU-quota benchmarks, built on tests/support/fake_node.py.
 
 - npu: `npu-smi info` lists 16 chips (8 cards x 2 dies, an A3 node), its rows built from the captured A3 output
-  in tests/fixtures (every chip idle, nothing running); /dev has davinci0..15 and davinci_manager, davinci0
-  with /dev/full's device number so a process outside any pod can really hold it (FakeNode starts one).
+  in tests/fixtures (every chip idle, nothing running); /dev has davinci0..15 and davinci_manager; FakeNode's
+  holder, a process outside any pod, gives davinci0 the number of a pseudo-terminal it holds open.
 - gpu: the fake NVML library (tests/support/fake_nvml, compiled with gcc) serves 8 healthy 80 GiB GPUs; the
   agent loads it through gpu.nvml_library; /dev has nvidia0..7.
 - pcie: a /sys with the 24 accelerator functions, each below its own root port, with AER counters and links.

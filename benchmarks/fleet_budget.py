@@ -2,6 +2,7 @@
 """The taint budget at fleet scale: what a fleet-wide incident costs the API server, before and after.
 
     python benchmarks/fleet_budget.py [--nodes 2000] [--minutes 10] [--workers 8] [--only new|baseline]
+    python benchmarks/fleet_budget.py --scenario devices [--nodes 2000] [--minutes 10] [--only new|baseline]
 
 A fleet of NODES reconcilers runs in this process against the in-repo API double (tests/support/kube_double.py,
 HTTP on 127.0.0.1, through the real kubernetes client), in simulated time: every agent polls every TICK
@@ -20,6 +21,14 @@ Reported per algorithm: API requests and bytes served per node-minute during the
 the most nodes that carried a blocking taint at any instant (checked after every write the API double
 stores). The invariant (never more than the budget) is asserted here: the script exits 1 when it is broken.
 Writes benchmarks/results/fleet_budget.json.
+
+`--scenario devices` (on its own: the node scenario's baseline takes twenty minutes) is the device budget's:
+NODES nodes of 8 NPUs each, published by MindCluster's DRA driver (a ResourceSlice per node, resource.k8s.io v1),
+and a bad npu-smi release that marks every chip Warning on every node at the same instant (each chip asks for a
+DeviceTaintRule of effect None). `new` is agent/kube with the default device budget (10% of the fleet's chips);
+`baseline` is the same agent without a device budget (max_unhealthy_devices 100%). Reported: requests and bytes
+per node-minute by kind, the most rules that existed at any instant (checked after every write), and what is
+left once every chip is healthy again. Writes benchmarks/results/fleet_budget_devices.json.
 """
 
 from __future__ import annotations
@@ -247,6 +256,11 @@ def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, A
 
 def kind(request: Request) -> str:
     method, path = request.method, request.path
+    if path.startswith("/apis/"):
+        return _dra_kind(request)
+    if path.endswith("/node-health-device-budget"):
+        metadata = " (metadata only)" if "PartialObjectMetadata" in request.accept else ""
+        return f"{method} device budget{metadata}"
     if "/configmaps" in path:
         metadata = " (metadata only)" if "PartialObjectMetadata" in request.accept else ""
         return f"{method} configmap{metadata}"
@@ -258,15 +272,33 @@ def kind(request: Request) -> str:
     return f"{method} node" + ("/status" if path.endswith("/status") else "")
 
 
+def _dra_kind(request: Request) -> str:
+    method, path, query = request.method, request.path, request.query
+    if path.count("/") == 3:
+        return "GET discovery"
+    if "resourceslices" in path:
+        return "LIST resourceslices (" + ("this node" if "fieldSelector" in query else "all: the count") + ")"
+    if method == "GET" and path.endswith("/devicetaintrules"):
+        mine = "node-health/node=" in query.get("labelSelector", [""])[0]
+        return "LIST devicetaintrules (" + ("this node's" if mine else "all the agents': verification") + ")"
+    return f"{method} devicetaintrule"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=2000)
     parser.add_argument("--minutes", type=float, default=10.0, help="simulated minutes of the incident")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--only", choices=("new", "baseline"))
-    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fleet_budget.json"))
+    parser.add_argument("--scenario", choices=("nodes", "devices"), default="nodes")
+    parser.add_argument("--output", help="default: benchmarks/results/fleet_budget[_devices].json")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # 1,800 suppressed agents each say so; the figures are what matters here
+    if args.scenario == "devices":
+        from fleet_budget_devices import main_devices
+
+        return main_devices(args)
+    args.output = args.output or str(REPO / "benchmarks" / "results" / "fleet_budget.json")
     results = {}
     for algorithm in ("baseline", "new"):
         if args.only and algorithm != args.only:

@@ -90,6 +90,13 @@ OBSERVED_DEVICE_IDS = "device_ids"
 # The pods the device plugins' ledger (the kubelet's PodResources API) allocated a device to, on the npu.ledger
 # and gpu.ledger finding about that device: a list of {namespace, name, container, resource, device_id}.
 OBSERVED_ALLOCATED_TO = "allocated_to"
+# How the cluster's device APIs know the device a finding is about (agent/kube matches a DRA ResourceSlice's
+# device by these, never by position): its PCI address as the tool prints it, the NPU's physical id (the N of
+# /dev/davinciN, what MindCluster publishes as `physicId` and takes in a public fault's deviceIds) and the
+# device node's minor (/dev/nvidiaN: the NVIDIA DRA driver's device `gpu-<minor>`, not the NVML index).
+OBSERVED_PCI_BUS_ID = "pci_bus_id"
+OBSERVED_PHYSICAL_ID = "physical_id"
+OBSERVED_DEVICE_MINOR = "device_minor"
 # host.memory reports MemAvailable (subject "") and free hugepages (subject "hugepages") under these keys, so
 # /ready?min_host_mem_mib=N and min_hugepages=N are answered from cached results.
 OBSERVED_HOST_MEM_AVAILABLE_MIB = "available_mib"

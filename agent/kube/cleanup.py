@@ -2,7 +2,8 @@
 
 Removes taints and labels under `<key_prefix>/` and the agent's conditions (nothing else: every other taint,
 label and condition stays), each write guarded by the Node's resourceVersion and redone on 409, then gives
-back the budget slots of the nodes it cleaned. Run it after the DaemonSet is gone (a running agent would put
+back the budget slots of the nodes it cleaned; then the agents' DeviceTaintRules and public faults
+(agent.kube.device_cleanup). Run it after the DaemonSet is gone (a running agent would put
 its taints back at its next heartbeat). Prints one line per node.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from agent.config import Config, KubernetesConfig
 from agent.kube.budget import TaintBudget
 from agent.kube.client import KubeApi, agent_namespace, is_status, load_api_client, short_error
+from agent.kube.device_cleanup import clean_devices
 from agent.kube.plan import plan_cleanup
 
 EXIT_DONE, EXIT_API_ERROR = 0, 1
@@ -77,6 +79,8 @@ def cleanup(
     # Every node cleaned: every slot goes (nodes gone since included). Otherwise only the cleaned nodes' slots.
     release = None if node is None and not failed else cleaned
     if not _release(api, policy, release, dry_run, out, clock):
+        return EXIT_API_ERROR
+    if not clean_devices(api, config, node, release, dry_run, out, clock):
         return EXIT_API_ERROR
     return EXIT_API_ERROR if failed else EXIT_DONE
 

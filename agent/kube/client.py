@@ -29,6 +29,12 @@ STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 # An object's metadata without its body (the API server's PartialObjectMetadata transformation).
 METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+MERGE_PATCH = "application/merge-patch+json"
+RESOURCE_GROUP = "resource.k8s.io"
+# Unknown fields are refused (400), not dropped: servers >= 1.35 silently drop a DeviceTaintRule's old
+# deviceClassName/selectors, and a selector that lost a field matches more devices than it said.
+STRICT = [("fieldValidation", "Strict")]
+DEVICE_SELECTOR_FIELDS = ("driver", "pool", "device")
 ERROR_KINDS = ("unreachable", "timeout", "throttled", "server", "forbidden", "not_found", "conflict", "config", "other")
 
 
@@ -57,6 +63,27 @@ def agent_namespace(policy: KubernetesConfig) -> str:
     return "node-health"
 
 
+class PartialDeviceSelector(ValueError):
+    """A DeviceTaintRule whose deviceSelector does not name driver, pool and device: an empty or partial
+    selector matches every device of the cluster (or of a driver, or of a pool), so it is never sent."""
+
+
+def check_device_taint_rule(body: dict[str, Any]) -> None:
+    """Raise PartialDeviceSelector unless the rule selects exactly one device: driver, pool and device, each a
+    non-empty string, and nothing else."""
+    spec = body.get("spec") if isinstance(body, dict) else None
+    selector = spec.get("deviceSelector") if isinstance(spec, dict) else None
+    if not isinstance(selector, dict):
+        raise PartialDeviceSelector("a DeviceTaintRule without spec.deviceSelector is refused")
+    missing = [key for key in DEVICE_SELECTOR_FIELDS if not isinstance(selector.get(key), str) or not selector[key]]
+    extra = sorted(set(selector) - set(DEVICE_SELECTOR_FIELDS))
+    if missing or extra:
+        raise PartialDeviceSelector(
+            f"deviceSelector must set exactly driver, pool and device (missing: {missing or 'none'}, "
+            f"other fields: {extra or 'none'}): a partial selector matches more than one device"
+        )
+
+
 class BudgetConflict(Exception):
     """The budget ConfigMap kept changing under us: every compare-and-swap attempt lost."""
 
@@ -67,6 +94,8 @@ def classify(exc: BaseException) -> str:
         return _classify_status(exc.status or 0)
     if isinstance(exc, BudgetConflict):
         return "conflict"
+    if isinstance(exc, PartialDeviceSelector):
+        return "other"
     if isinstance(exc, urllib3.exceptions.NewConnectionError):
         return "unreachable"  # a subclass of ConnectTimeoutError in urllib3 2, yet "connection refused"
     if isinstance(exc, (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ConnectTimeoutError, TimeoutError)):
@@ -247,3 +276,61 @@ class KubeApi:
 
     def replace_configmap(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("PUT", self._configmap_path(namespace, name), body=body)
+
+    def list_configmaps(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The public-fault ConfigMaps of the agents (by label), in one namespace."""
+        query = [("labelSelector", selector)] if selector else []
+        return list(self._call("GET", self._configmap_path(namespace), query=query).get("items") or [])
+
+    # resource.k8s.io: discovery (a non-resource URL every authenticated user may read), resourceslices: list,
+    # devicetaintrules: create, get, list, patch, delete. Versions are what discovery found.
+    def get_resource_api(self, version: str) -> dict[str, Any] | None:
+        """The APIResourceList of resource.k8s.io/<version>; None when the server does not serve it."""
+        try:
+            return self._call("GET", f"/apis/{RESOURCE_GROUP}/{quote(version, safe='')}")
+        except ApiException as exc:
+            if exc.status in (404, 503):  # 503: an aggregated group whose backend is away
+                return None
+            raise
+
+    def _resource_path(self, version: str, resource: str, name: str = "") -> str:
+        path = f"/apis/{RESOURCE_GROUP}/{quote(version, safe='')}/{resource}"
+        return f"{path}/{quote(name, safe='')}" if name else path
+
+    def list_resource_slices(self, version: str, node: str | None = None, from_cache: bool = False) -> list[Any]:
+        """A node's slices (field selector spec.nodeName), or every slice (the device budget's count)."""
+        query = [("fieldSelector", f"spec.nodeName={node}")] if node is not None else []
+        if from_cache:
+            query.append(("resourceVersion", "0"))
+        return list(self._call("GET", self._resource_path(version, "resourceslices"), query=query).get("items") or [])
+
+    def list_device_taint_rules(self, version: str, selector: str) -> list[dict[str, Any]]:
+        query = [("labelSelector", selector)]
+        return list(self._call("GET", self._resource_path(version, "devicetaintrules"), query=query).get("items") or [])
+
+    def get_device_taint_rule(self, version: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", self._resource_path(version, "devicetaintrules", name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create_device_taint_rule(self, version: str, body: dict[str, Any]) -> dict[str, Any]:
+        check_device_taint_rule(body)
+        return self._call("POST", self._resource_path(version, "devicetaintrules"), query=STRICT, body=body)
+
+    def patch_device_taint_rule(self, version: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch carrying the rule's resourceVersion and its whole spec (checked like a create)."""
+        check_device_taint_rule(body)
+        path = self._resource_path(version, "devicetaintrules", name)
+        return self._call("PATCH", path, query=STRICT, body=body, content_type=MERGE_PATCH)
+
+    def delete_device_taint_rule(self, version: str, name: str, resource_version: str) -> None:
+        """Deletes only the version that was read (a 409 otherwise); a rule already gone is no error."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"resourceVersion": resource_version}}
+        try:
+            self._call("DELETE", self._resource_path(version, "devicetaintrules", name), body=body)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise

@@ -189,19 +189,24 @@ def _node_patch(
         tainted_key: "true" if taints.blocking else None,
     }
     label_patch = {key: value for key, value in wanted_labels.items() if labels.get(key) != value}
-    if not taints.changed and not label_patch:
+    annotations = metadata.get("annotations") or {}
+    annotation_patch = {key: value for key, value in desired.annotations if annotations.get(key) != value}
+    if not taints.changed and not label_patch and not annotation_patch:
         return None, ""
     patch: dict[str, Any] = {"metadata": {"resourceVersion": metadata.get("resourceVersion")}}
     if taints.changed:
         patch["spec"] = {"taints": taints.new}
     if label_patch:
         patch["metadata"]["labels"] = label_patch
+    if annotation_patch:
+        patch["metadata"]["annotations"] = annotation_patch
     owned = {taint_key(policy.key_prefix, category) for category in CATEGORIES}
     current = (node.get("spec") or {}).get("taints") or []
     before = {_fmt(t) for t in current if t.get("key") in owned}
     after = {_fmt(t) for t in taints.new if t.get("key") in owned}
     parts = [f"+taint {t}" for t in sorted(after - before)] + [f"-taint {t}" for t in sorted(before - after)]
     parts += [f"label {k}={v}" if v is not None else f"-label {k}" for k, v in label_patch.items()]
+    parts += [f"annotation {k}" if v is not None else f"-annotation {k}" for k, v in annotation_patch.items()]
     return patch, ", ".join(parts) or "taint order"
 
 
@@ -301,21 +306,25 @@ def plan_cleanup(node: Mapping[str, Any], prefix: str) -> CleanupPlan:
     current = list((node.get("spec") or {}).get("taints") or [])
     mine = [t for t in current if str(t.get("key", "")).startswith(prefix + "/")]
     labels = sorted(k for k in (metadata.get("labels") or {}) if k.startswith(prefix + "/"))
+    annotations = sorted(k for k in (metadata.get("annotations") or {}) if k.startswith(prefix + "/"))
     ours = {category.condition_type for category in CATEGORIES.values()}
     conditions = [c.get("type") for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") in ours]
     node_patch: dict[str, Any] | None = None
-    if mine or labels:
+    if mine or labels or annotations:
         node_patch = {"metadata": {"resourceVersion": metadata.get("resourceVersion")}}
         if mine:
             node_patch["spec"] = {"taints": [t for t in current if t not in mine]}
         if labels:
             node_patch["metadata"]["labels"] = dict.fromkeys(labels)
+        if annotations:
+            node_patch["metadata"]["annotations"] = dict.fromkeys(annotations)
     status_patch = (
         {"status": {"conditions": [{"type": t, "$patch": "delete"} for t in conditions]}} if conditions else None
     )
     removed = (
         *(f"taint {_fmt(t)}" for t in mine),
         *(f"label {k}" for k in labels),
+        *(f"annotation {k}" for k in annotations),
         *(f"condition {t}" for t in conditions),
     )
     return CleanupPlan(node_patch, status_patch, removed)

@@ -74,6 +74,8 @@ class Desired:
     conditions: tuple[ConditionIntent, ...]
     ready_label: str | None  # "true" / "false"; None: hold
     events: tuple[FindingEvent, ...]
+    # Node annotations the agent owns (key, value; None: remove): `<prefix>/isolated-devices`.
+    annotations: tuple[tuple[str, str | None], ...] = ()
 
     def fingerprint(self) -> tuple[object, ...]:
         """What decides a write; message details only ride along (they change with every number measured)."""
@@ -81,6 +83,7 @@ class Desired:
             tuple((t.category, t.action, t.reason, t.effect) for t in self.taints),
             tuple((c.type, c.action, c.status, c.reason, c.summary) for c in self.conditions),
             self.ready_label,
+            self.annotations,
         )
 
 
@@ -90,6 +93,11 @@ def taint_key(prefix: str, category: str) -> str:
 
 def ready_label_key(prefix: str) -> str:
     return f"{prefix}/ready"
+
+
+def isolated_devices_key(prefix: str) -> str:
+    """The Node annotation that lists the node's isolated devices and how each is isolated."""
+    return f"{prefix}/isolated-devices"
 
 
 def tainted_label_key(prefix: str) -> str:

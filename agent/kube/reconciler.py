@@ -42,7 +42,9 @@ from agent.kube.client import (
     retry_after,
     short_error,
 )
+from agent.kube.device_report import device_samples, device_status
 from agent.kube.events import EventQueue
+from agent.kube.isolator import DeviceIsolator, Hooks
 from agent.kube.plan import Plan, SlotView, plan_desired
 from agent.kube.pods import NodePods
 from agent.kube.policy import Desired, desired_state
@@ -103,6 +105,10 @@ class KubeAgent:
             policy.backoff_max_seconds,
         )
 
+        self._devices = DeviceIsolator(
+            node_name, self._api, clock, self._rng, Hooks(self._wrote, lambda r, m, w: self.events.add(r, m, w))
+        )
+
         self.writes: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.recent_writes: deque[dict[str, Any]] = deque(maxlen=20)
@@ -148,6 +154,7 @@ class KubeAgent:
             policy = config.kubernetes
             self._backoff = Backoff(policy.backoff_initial_seconds, policy.backoff_max_seconds, self._rng)
             self._budget_backoff = Backoff(policy.budget_retry_seconds, policy.budget_retry_max_seconds, self._rng)
+        self._devices.reconfigure()
 
     def reconcile_once(self) -> None:
         """One pass now, whatever the backoff says (tests; the thread honours the backoff)."""
@@ -229,7 +236,9 @@ class KubeAgent:
         if not policy.enabled:
             return
         now, tick = self._clock(), self._monotonic()
-        desired = desired_state(self._snapshot(), policy)
+        snapshot = self._snapshot()
+        # Devices isolated on the device (a DeviceTaintRule, a public fault) leave the node's taints.
+        desired = self._devices.prepare(snapshot, desired_state(snapshot, policy), policy, now)
         self.events.add_findings(desired.events)
         fingerprint = desired.fingerprint()
         changed = self._dirty or fingerprint != self._applied
@@ -243,6 +252,7 @@ class KubeAgent:
             self._dirty = False
             if heartbeat:
                 self._next_heartbeat = tick + policy.heartbeat_seconds
+        self._devices.finish(policy, now)  # rules and faults no longer wanted go once the Node carries the rest
         self._log_would_writes(policy)
         if policy.dry_run:
             for event in self.events.pending():
@@ -362,11 +372,13 @@ class KubeAgent:
         with self._lock:
             document = status_document(self, self._config.kubernetes, self._budget_view())
         document["node_pods"] = self.pods.status()
+        document["devices"] = device_status(self._devices)
         return document
 
     def samples(self) -> list[Any]:
         with self._lock:
-            return status_samples(self, self._config.kubernetes)
+            samples = status_samples(self, self._config.kubernetes)
+        return samples + device_samples(self._devices)
 
     def _budget_view(self) -> dict[str, Any]:
         seen = self._budget_seen

@@ -12,7 +12,7 @@ from agent.kube.policy import taint_key
 from agent.timestamps import rfc3339
 from probes.base import Sample
 
-WRITE_KINDS = ("node", "node_status", "event", "budget")
+WRITE_KINDS = ("node", "node_status", "event", "budget", "device_rule", "public_fault", "device_budget")
 
 
 class Reporting(Protocol):

@@ -19,6 +19,8 @@ from pathlib import Path
 from probes.base import (
     NOT_APPLICABLE,
     OBSERVED_DEVICE_IDS,
+    OBSERVED_DEVICE_MINOR,
+    OBSERVED_PCI_BUS_ID,
     Finding,
     Probe,
     ProbeContext,
@@ -32,7 +34,7 @@ from probes.gpu.findings import health_finding, memory_finding, missing_findings
 from probes.gpu.holder_findings import holder_finding, holders_of, out_of_band_holders, scan_gpu_holders
 from probes.gpu.ledger_findings import gpu_ledger, ledger_findings, ledger_note, ledger_verdict
 from probes.gpu.metrics import gpu_samples
-from probes.gpu.model import GpuInventory
+from probes.gpu.model import GpuInventory, GpuState
 from probes.gpu.reasons import (
     CHECKS,
     GPU_DRIVER_UNAVAILABLE,
@@ -130,15 +132,22 @@ class GpuProbe(Probe):
                 {"source": inventory.source},
             )
         )
-        ids = {gpu.index: gpu.device_ids for gpu in inventory.gpus}
-        return [*(_with_device_ids(f, ids) for f in findings), *samples]
+        by_index = {gpu.index: gpu for gpu in inventory.gpus}
+        return [*(_with_identity(f, by_index) for f in findings), *samples]
 
 
-def _with_device_ids(finding: Finding, ids: dict[int, list[str]]) -> Finding:
-    """The GPU's UUID and MIG UUIDs on a finding about one GPU, so /ready?devices= takes what jobs know."""
+def _with_identity(finding: Finding, gpus: dict[int, GpuState]) -> Finding:
+    """The GPU's UUID and MIG UUIDs on a finding about one GPU, so /ready?devices= takes what jobs know; its
+    Bus-Id and /dev/nvidiaN minor, so the cluster's device APIs find the same GPU."""
     if finding.device is None:
         return finding
-    return replace(finding, observed={**finding.observed, OBSERVED_DEVICE_IDS: ids.get(finding.device, [])})
+    gpu = gpus.get(finding.device)
+    observed = {**finding.observed, OBSERVED_DEVICE_IDS: gpu.device_ids if gpu else []}
+    if gpu is not None and gpu.bus_id:
+        observed[OBSERVED_PCI_BUS_ID] = gpu.bus_id
+    if gpu is not None and gpu.minor is not None:
+        observed[OBSERVED_DEVICE_MINOR] = gpu.minor
+    return replace(finding, observed=observed)
 
 
 def _tool_missing(expected: int, minors: list[int], tools: Tools) -> ProbeOutput:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from probes.base import OBSERVED_HBM_FREE_MIB, Finding, Status
+from probes.base import (
+    OBSERVED_DEVICE_MINOR,
+    OBSERVED_HBM_FREE_MIB,
+    OBSERVED_PCI_BUS_ID,
+    OBSERVED_PHYSICAL_ID,
+    Finding,
+    Sample,
+    Status,
+)
 from probes.npu.details import HealthDetail
 from probes.npu.info_table import NpuChip
 from probes.npu.reasons import (
@@ -31,6 +40,26 @@ def chip_observed(chip: NpuChip) -> dict[str, Any]:
     if chip.bus_id:
         observed["bus_id"] = chip.bus_id
     return observed
+
+
+def with_identity(findings: Iterable[Finding | Sample], chips: Sequence[NpuChip]) -> list[Finding | Sample]:
+    """Every finding about one chip carries the ids the cluster's device APIs know it by: its Bus-Id, its
+    physical id and /dev/davinciN's N. The physical id is npu-smi's (the A3 `Phy-ID` column, `info -m`) when it
+    prints one, else the logical id, which is the same number on the host's full view of the chips; a chip
+    npu-smi does not list is known by its device node alone."""
+    by_logical = {chip.logical_id: chip for chip in chips if chip.logical_id is not None}
+    out: list[Finding | Sample] = []
+    for finding in findings:
+        if not isinstance(finding, Finding) or finding.device is None:
+            out.append(finding)
+            continue
+        chip = by_logical.get(finding.device)
+        number = chip.device_number if chip is not None else finding.device
+        observed: dict[str, Any] = {**finding.observed, OBSERVED_PHYSICAL_ID: number, OBSERVED_DEVICE_MINOR: number}
+        if chip is not None and chip.bus_id:
+            observed[OBSERVED_PCI_BUS_ID] = chip.bus_id
+        out.append(replace(finding, observed=observed))
+    return out
 
 
 def describe_chip(chip: NpuChip) -> str:

@@ -41,7 +41,7 @@ from probes.base import (
 from probes.npu.completeness import parse_card_list, shortfall, table_cut
 from probes.npu.config import NpuConfig
 from probes.npu.details import ChipMapping, HealthDetail, parse_health, parse_mapping, parse_proc_mem, resolve_ids
-from probes.npu.findings import chip_subject, hbm_findings, health_findings
+from probes.npu.findings import chip_subject, hbm_findings, health_findings, with_identity
 from probes.npu.holder_findings import holder_findings, numbers_held_by_fd, where_looked
 from probes.npu.info_table import NpuChip, NpuInfo, parse_info
 from probes.npu.ledger_findings import FirstSeen, ledger_findings, ledger_note, ledger_verdicts, npu_ledger
@@ -185,7 +185,7 @@ class NpuProbe(Probe):
                     shared_out_of_band,
                 )
             )
-        return out
+        return with_identity(out, chips)
 
     # --- steps ---
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 
 from probes.base import (
     NOT_APPLICABLE,
+    OBSERVED_PCI_BUS_ID,
     OK,
     PARSE_ERROR,
     Check,
@@ -99,6 +100,7 @@ def _report(
     observed = dict(observed)
     if target.accelerator is not None:
         observed["accelerator"] = target.accelerator.name
+        observed[OBSERVED_PCI_BUS_ID] = target.accelerator.bus_id
     return check.report(
         reason,
         target.subject,

@@ -429,7 +429,11 @@ def test_the_agents_real_writes_pass_the_policy(policy: AdmissionPolicy, tmp_pat
             current = api.node(node.node_name)
             keys = {t["key"] for t in current["spec"].get("taints", [])}
             types = {c["type"] for c in current["status"].get("conditions", [])}
-            if own_taint_keys(keys) and types & OWN_CONDITIONS and "node-health/ready" in current["metadata"]["labels"]:
+            annotations = current["metadata"].get("annotations") or {}
+            own = (
+                own_taint_keys(keys) and types & OWN_CONDITIONS and "node-health/ready" in current["metadata"]["labels"]
+            )
+            if own and "node-health/isolated-devices" in annotations:  # its held NPU, on the node taint (no DRA)
                 break
             time.sleep(0.5)
     finally:
@@ -441,6 +445,7 @@ def test_the_agents_real_writes_pass_the_policy(policy: AdmissionPolicy, tmp_pat
     assert {c["type"] for c in final["status"]["conditions"]} & OWN_CONDITIONS, final
     assert foreign_taint in final["spec"]["taints"]
     assert "KernelDeadlock" in {c["type"] for c in final["status"]["conditions"]}
+    assert "node-health/isolated-devices" in final["metadata"]["annotations"]
     for old, new in pairs:
         for subresource in ("", "status"):
             verdict = policy.admit(agent_request(subresource, node.node_name, node.node_name), old, new)

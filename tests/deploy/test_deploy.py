@@ -155,6 +155,8 @@ def test_no_admission_policy_component_leaves_out_only_the_policy(tmp_path: Path
     assert set(full) - set(older) == {
         ("ValidatingAdmissionPolicy", "node-health-own-node"),
         ("ValidatingAdmissionPolicyBinding", "node-health-own-node"),
+        ("ValidatingAdmissionPolicy", "node-health-own-devices"),
+        ("ValidatingAdmissionPolicyBinding", "node-health-own-devices"),
     }
     assert set(older) < set(full)
 
@@ -210,7 +212,7 @@ def test_rbac_has_no_wildcards_and_binds_the_agent() -> None:
     for rule in role["rules"]:
         assert rule["resources"] == ["configmaps"]
         if set(rule["verbs"]) != {"create"}:
-            assert rule["resourceNames"] == ["node-health-budget"]
+            assert rule["resourceNames"] == ["node-health-budget", "node-health-device-budget"]
     subjects = [{"kind": "ServiceAccount", "name": "node-health", "namespace": NAMESPACE}]
     assert find("RoleBinding", "node-health-budget")["subjects"] == subjects
     assert find("ClusterRoleBinding", "node-health")["subjects"] == subjects

@@ -235,6 +235,8 @@ def test_dashboard_has_the_required_views() -> None:
         "DNS lookup latency",
         "Egress latency",
         "Clock offset from NTP servers",
+        "Isolated devices, fleet-wide",
+        "Isolated devices per node",
     ):
         assert title in titles
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.kube_devices import NVIDIA, publish_gpus, record_gpus, record_npus
 from support.kube_double import ApiDouble, Request
 from support.kube_helpers import BUDGET_NS, Clock, health_state, make_agent, our_taints, record
 from support.system import REPO
@@ -18,73 +19,149 @@ from support.system import REPO
 from agent.config import parse_config
 from agent.kube.cleanup import cleanup
 from agent.kube.client import KubeApi
+from agent.kube.devices import RULE_LABELS, rule_name
 
 PATH = re.compile(
     r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$"
 )
+GROUP_PATH = re.compile(r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)(?:/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?)?$")
 VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
-PROBES = {"network": ("network.dns",)}
+PROBES = {"network": ("network.dns",), "gpu": ("gpu.holders",)}
 Call = tuple[str, str, str]  # (apiGroup, resource, verb)
+PUBLIC_FAULTS = REPO / "deploy" / "components" / "mindcluster-public-faults" / "rbac.yaml"
 
 
 def calls(log: list[Request]) -> dict[Call, set[tuple[str, str]]]:
-    """(group, resource, verb) → the (namespace, name) pairs it was used on."""
+    """(group, resource, verb) → the (namespace, name) pairs it was used on. Discovery (`/apis/<group>/<version>`,
+    a non-resource URL the system:discovery role lets every authenticated user read) needs no grant."""
     used: dict[Call, set[tuple[str, str]]] = {}
     for request in log:
         match = PATH.match(request.path)
-        assert match is not None, request.path
-        resource = match["resource"] + (f"/{match['sub']}" if match["sub"] else "")
+        group = ""
+        if match is None:
+            match = GROUP_PATH.match(request.path)
+            assert match is not None, request.path
+            assert request.method == "GET" or match["resource"], request.path
+            if match["resource"] is None:
+                continue
+            group = match["group"]
+        resource = match["resource"] + (f"/{match['sub']}" if match.groupdict().get("sub") else "")
         if request.method == "GET":
             verb = "watch" if request.query.get("watch") == ["true"] else ("get" if match["name"] else "list")
         else:
             verb = VERBS[request.method]
-        used.setdefault(("", resource, verb), set()).add((match["ns"] or "", match["name"] or ""))
+        used.setdefault((group, resource, verb), set()).add((match.groupdict().get("ns") or "", match["name"] or ""))
     return used
 
 
-def granted(path: Path) -> tuple[dict[Call, list[str] | None], dict[Call, list[str] | None]]:
-    """(cluster-wide grants, namespaced grants): call → resourceNames (None: any name)."""
-    cluster: dict[Call, list[str] | None] = {}
-    namespaced: dict[Call, list[str] | None] = {}
-    for doc in yaml.safe_load_all(path.read_text()):
-        if not doc or doc["kind"] not in ("ClusterRole", "Role"):
-            continue
-        target = cluster if doc["kind"] == "ClusterRole" else namespaced
-        for rule in doc["rules"]:
-            for group in rule["apiGroups"]:
-                for resource in rule["resources"]:
-                    for verb in rule["verbs"]:
-                        assert (group, resource, verb) not in target, f"granted twice: {group} {resource} {verb}"
-                        target[(group, resource, verb)] = rule.get("resourceNames")
+Grant = tuple[str, list[str] | None]  # (namespace of the Role, resourceNames: None for any name)
+
+
+def granted(*paths: Path) -> tuple[set[Call], dict[Call, list[Grant]]]:
+    """(cluster-wide grants, namespaced grants: call → the Roles' namespaces and resourceNames)."""
+    cluster: set[Call] = set()
+    namespaced: dict[Call, list[Grant]] = {}
+    for path in paths:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc["kind"] not in ("ClusterRole", "Role"):
+                continue
+            for rule in doc["rules"]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        for verb in rule["verbs"]:
+                            call = (group, resource, verb)
+                            if doc["kind"] == "ClusterRole":
+                                assert call not in cluster, f"granted twice: {call}"
+                                cluster.add(call)
+                                continue
+                            grants = namespaced.setdefault(call, [])
+                            namespace = doc["metadata"]["namespace"]
+                            assert namespace not in {ns for ns, _ in grants}, f"granted twice in {namespace}: {call}"
+                            grants.append((namespace, rule.get("resourceNames")))
     return cluster, namespaced
 
 
-def assert_least_privilege(used: dict[Call, set[tuple[str, str]]], path: Path, namespace: str) -> None:
-    cluster, namespaced = granted(path)
-    assert set(used) == set(cluster) | set(namespaced), (
-        f"unused grants: {sorted((set(cluster) | set(namespaced)) - set(used))}; "
-        f"missing grants: {sorted(set(used) - set(cluster) - set(namespaced))}"
+def assert_least_privilege(used: dict[Call, set[tuple[str, str]]], *paths: Path) -> None:
+    cluster, namespaced = granted(*paths)
+    assert set(used) == cluster | set(namespaced), (
+        f"unused grants: {sorted((cluster | set(namespaced)) - set(used))}; "
+        f"missing grants: {sorted(set(used) - cluster - set(namespaced))}"
     )
     for call, targets in used.items():
         if call in cluster:
             continue
-        names = namespaced[call]
         for ns, name in targets:
-            assert ns == namespace, (call, ns)
+            names = dict(namespaced[call]).get(ns, [])
+            assert ns in dict(namespaced[call]), (call, ns)
             assert names is None or name in names, (call, name, names)
 
 
+def devices_scenario(
+    double: ApiDouble, clock: Clock, states: dict[str, Any], agents: dict[str, Any], faults: bool
+) -> None:
+    """Bad GPUs on a DRA cluster: a rule created; one whose name is taken by a rule of ours (a 409: read, adopted,
+    patched); one more refused by the device budget, which verifies its holders by listing the agents' rules (and
+    public-fault ConfigMaps); a reason change patches; recovery deletes the rules and gives the slots back. With
+    public faults, a chip of b is a public fault throughout (the ConfigMap created), recovered at the end."""
+
+    def step(bad: dict[str, dict[int, str]], chip_bad: bool = True) -> None:
+        clock.advance(30)
+        for name, state in states.items():
+            record(state, "network", "network.dns", "ok")
+            record_gpus(state, bad.get(name, {}))
+            record_npus(state, {1: "NpuHeldOutOfBand"} if faults and chip_bad and name == "b" else {})
+        for agent in agents.values():
+            agent.step()
+
+    step({"a": {3: "GpuHeldOutOfBand"}})
+    taken = rule_name("node-health", "gpu", "b", NVIDIA, "gpu-4")
+
+    def squat(method: str, path: str) -> None:
+        if (
+            method == "POST"
+            and path.endswith("/devicetaintrules")
+            and not double.device_taint_rules("node-health/node=b")
+        ):
+            labels = {**RULE_LABELS, "node-health/node": "b", "node-health/category": "gpu"}
+            selector = {"driver": NVIDIA, "pool": "b", "device": "gpu-4"}
+            spec = {"deviceSelector": selector, "taint": {"key": "node-health/gpu", "effect": "None"}}
+            double.create("devicetaintrules", "", {"metadata": {"name": taken, "labels": labels}, "spec": spec})
+
+    double.before_write = squat
+    step({"a": {3: "GpuHeldOutOfBand"}, "b": {4: "GpuHeldOutOfBand"}})
+    double.before_write = None
+    assert double.device_taint_rules("node-health/node=b")[0]["spec"]["taint"]["value"] == "GpuHeldOutOfBand"
+    step({"a": {3: "GpuHeldOutOfBand", 5: "GpuHeldOutOfBand"}, "b": {4: "GpuHeldOutOfBand"}})
+    assert len(double.device_taint_rules()) == 2, "the device budget holds: a's second GPU is withheld"
+    for _ in range(6):  # a asks again (metadata only), later verifies the holders against the agents' objects
+        step({"a": {3: "GpuSharedByPods", 5: "GpuHeldOutOfBand"}, "b": {4: "GpuHeldOutOfBand"}})
+    assert {r["spec"]["taint"]["value"] for r in double.device_taint_rules()} == {"GpuSharedByPods", "GpuHeldOutOfBand"}
+    step({}, chip_bad=False)
+    step({}, chip_bad=False)
+    assert double.device_taint_rules() == []
+
+
 @pytest.mark.system
-def test_the_agents_role_is_exactly_what_it_calls(double: ApiDouble) -> None:
+@pytest.mark.parametrize("faults", [False, True], ids=["rbac.yaml", "with-public-faults"])
+def test_the_agents_role_is_exactly_what_it_calls(double: ApiDouble, faults: bool) -> None:
     clock = Clock()
+    double.serve_dra("1.37")
     for name in ("a", "b", "c"):
         double.add_node(name)
-    states = {n: health_state(n, clock, PROBES) for n in ("a", "b")}
-    agents = {n: make_agent(double, states[n], clock, seed=i, max_unhealthy="1") for i, n in enumerate(states)}
+        publish_gpus(double, name)
+    states = {n: health_state(n, clock, {**PROBES, "npu": ("npu.holders",)}) for n in ("a", "b")}
+    pf = {"mindcluster": {"public_fault": {"enabled": True, "namespace": "mindx-dl"}}} if faults else {}
+    devices = "3" if faults else "2"
+    agents = {
+        n: make_agent(double, states[n], clock, seed=i, max_unhealthy="1", max_unhealthy_devices=devices, **pf)
+        for i, n in enumerate(states)
+    }
 
     def everyone(status: str, reason: str = "") -> None:
         for state in states.values():
             record(state, "network", "network.dns", status, reason)
+            record_gpus(state)
+            record_npus(state)
         for agent in agents.values():
             agent.step()
 
@@ -100,16 +177,23 @@ def test_the_agents_role_is_exactly_what_it_calls(double: ApiDouble) -> None:
         for agent in agents.values():
             agent.step()  # b asks again, verifies the holders, takes the slot; heartbeats
     assert our_taints(double.node("b"))
+    devices_scenario(double, clock, states, agents, faults)
     # The node's pods for the device ledger checks (agent/kube/pods.py), through the same client.
     double.add_pod("team-a", "train-0", "a")
     assert agents["a"].pods.refresh() and agents["a"].pods.current() is not None
     used = calls(double.log)
     assert ("", "nodes", "list") in used and ("", "configmaps", "create") in used and ("", "pods", "list") in used
-    assert_least_privilege(used, REPO / "deploy" / "rbac.yaml", BUDGET_NS)
+    assert ("resource.k8s.io", "devicetaintrules", "get") in used, "the 409 was read back"
+    if faults:
+        assert ("mindx-dl", "") in used[("", "configmaps", "list")], "the budget verified the public faults"
+        assert_least_privilege(used, REPO / "deploy" / "rbac.yaml", PUBLIC_FAULTS)
+    else:
+        assert_least_privilege(used, REPO / "deploy" / "rbac.yaml")
 
 
 @pytest.mark.system
-def test_the_cleanup_jobs_role_is_exactly_what_cleanup_calls(double: ApiDouble, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("faults", [False, True], ids=["cleanup-job.yaml", "with-public-faults"])
+def test_the_cleanup_jobs_role_is_exactly_what_cleanup_calls(double: ApiDouble, monkeypatch: Any, faults: bool) -> None:
     monkeypatch.setenv("POD_NAMESPACE", BUDGET_NS)
     double.add_node(
         "a", labels={"node-health/ready": "false"}, taints=[{"key": "node-health/npu", "effect": "NoSchedule"}]
@@ -117,9 +201,48 @@ def test_the_cleanup_jobs_role_is_exactly_what_cleanup_calls(double: ApiDouble, 
     double.add_node("b", conditions=[{"type": "NPUHealthy", "status": "False", "reason": "X"}])
     slot = json.dumps({"acquired_at": 0, "taints": "npu=X"})
     double.create("configmaps", BUDGET_NS, {"metadata": {"name": "node-health-budget"}, "data": {"a": slot}})
+    double.serve_dra("1.37")
+    labels = {**RULE_LABELS, "node-health/node": "a", "node-health/category": "gpu"}
+    spec = {
+        "deviceSelector": {"driver": NVIDIA, "pool": "a", "device": "gpu-0"},
+        "taint": {"key": "node-health/gpu", "effect": "NoSchedule"},
+    }
+    double.create("devicetaintrules", "", {"metadata": {"name": "ours", "labels": labels}, "spec": spec})
+    devices = json.dumps({"devices": ["gpu0"], "at": 0})
+    double.create("configmaps", BUDGET_NS, {"metadata": {"name": "node-health-device-budget"}, "data": {"a": devices}})
+    message = {
+        "id": "m0000001",
+        "faults": [
+            {
+                "faultId": "f0000001",
+                "faultCode": "160010001",
+                "faultTime": 1,
+                "assertion": "occur",
+                "influence": [{"nodeName": "a", "deviceIds": [1]}],
+            }
+        ],
+    }
+    pf_labels = {
+        "mc-consumer-publicfault": "true",
+        "app.kubernetes.io/name": "node-health",
+        "app.kubernetes.io/component": "public-fault",
+        "node-health/node": "a",
+    }
+    pf_body = {
+        "metadata": {"name": "node-health-publicfault-a", "labels": pf_labels},
+        "data": {"PublicFault": json.dumps(message)},
+    }
+    double.create("configmaps", "mindx-dl", pf_body)
     double.foreign_write_before_ours("a")
     out: list[str] = []
     api = KubeApi(double.client, 5)
-    assert cleanup(api, parse_config({}), None, False, out.append) == 0, out
+    config = parse_config({"kubernetes": {"mindcluster": {"public_fault": {"enabled": faults}}}})
+    assert cleanup(api, config, None, False, out.append) == 0, out
+    assert double.device_taint_rules() == []
     used = calls(double.log)
-    assert_least_privilege(used, REPO / "deploy" / "examples" / "cleanup-job.yaml", BUDGET_NS)
+    files = [REPO / "deploy" / "examples" / "cleanup-job.yaml"]
+    if faults:
+        recovered = json.loads((double.configmap("mindx-dl", "node-health-publicfault-a") or {})["data"]["PublicFault"])
+        assert [f["assertion"] for f in recovered["faults"]] == ["recover"]
+        files.append(PUBLIC_FAULTS.with_name("cleanup-rbac.yaml"))
+    assert_least_privilege(used, *files)

@@ -2,8 +2,8 @@
 every probe family given something real to look at.
 
 - npu: `npu-smi` is tests/support/fake_npu_smi.py answering from the captured 910B output in the fixtures; /dev is a
-  temporary directory with mknod'ed davinci nodes; a child process holds davinci0 (a copy of /dev/full's
-  device number) outside any pod, so npu.holders reports NpuHeldOutOfBand.
+  temporary directory with mknod'ed davinci nodes; a child process outside any pod holds davinci0 (made with the
+  number of a pseudo-terminal it holds open), so npu.holders reports NpuHeldOutOfBand (`hold="nvidia3"`: that GPU).
 - gpu: NVML cannot load (a library path that does not exist), so the nvidia-smi fallback runs: the same fake
   tool answers `-q` with the captured A100 output and the CSV queries the way driver 460 does; nvidia0..7
   device nodes exist.
@@ -14,7 +14,9 @@ every probe family given something real to look at.
 - kernel.log: the real /dev/kmsg when it can be read, else an empty file.
 - kubernetes (`kube=True`): the agent reconciles its Node on the in-repo API double (tests/support/kube_double.py)
   through a kubeconfig; the taint budget is 0, so its taints are withheld (nodehealth_taint_suppressed).
-  With `kube=False` it runs `--no-kube`.
+  With `kube=False` it runs `--no-kube`. `dra="1.37"` (or another kube_dra release) makes the double serve
+  resource.k8s.io, with the NVIDIA and MindCluster DRA drivers' ResourceSlices of this node's devices;
+  `kube_settings` adds to the agent's `kubernetes:` config.
 - the kubelet's PodResources API (`ledger=True`): tests/support/fake_kubelet.py on a unix socket, every chip and
   GPU offered, chip 1 allocated to pod team-a/train-0 (container worker) and GPU 0 to team-b/infer-0 (`LEDGER`).
 
@@ -54,7 +56,6 @@ NPU_CHIPS = 8
 GPUS = 8
 # Majors no driver registers here: the nodes exist for discovery, nobody can open them.
 UNUSED_MAJOR = 239
-HELD_DEVICE = "/dev/full"  # davinci0 shares its device number, so a holder can really open it
 # The ledger's allocations: (namespace, pod, container, resource, device index).
 LEDGER = (
     ("team-a", "train-0", "worker", "huawei.com/Ascend910", 1),
@@ -111,14 +112,45 @@ def build_sysfs(root: Path) -> Path:
 
 
 def build_dev(dev: Path) -> None:
-    """davinci0 (same device number as /dev/full), davinci1..7, davinci_manager, nvidia0..7."""
+    """davinci0..7, davinci_manager, nvidia0..7, with a major no driver registers: nobody can open them. The held
+    one gets a real device number when its holder starts (FakeNode.start_holder)."""
     dev.mkdir()
-    os.mknod(dev / "davinci0", 0o666 | stat.S_IFCHR, os.stat(HELD_DEVICE).st_rdev)
-    for chip in range(1, NPU_CHIPS):
+    for chip in range(NPU_CHIPS):
         os.mknod(dev / f"davinci{chip}", 0o666 | stat.S_IFCHR, os.makedev(UNUSED_MAJOR, chip))
     os.mknod(dev / "davinci_manager", 0o666 | stat.S_IFCHR, os.makedev(UNUSED_MAJOR, 100))
     for gpu in range(GPUS):
         os.mknod(dev / f"nvidia{gpu}", 0o666 | stat.S_IFCHR, os.makedev(UNUSED_MAJOR + 1, gpu))
+
+
+def publish_devices(api: ApiDouble, node: str, fixtures: Path, which: tuple[str, ...]) -> None:
+    """The DRA drivers' ResourceSlices of the fake node's devices, as read from the same captured outputs its
+    tools answer with: NVIDIA's (`gpu-<minor>`, uuid, pciBusID) and MindCluster's (`ascend910-<phyID>`, physicId)."""
+    from probes.gpu.nvidia_smi import parse_query
+    from probes.npu.details import resolve_ids
+    from probes.npu.info_table import parse_info
+    from probes.runtime.inventory import normalize_bus_id
+    from support.kube_dra import add_resource_slice
+
+    if "gpu" in which:
+        gpus = parse_query((fixtures / GPU_QUERY_FIXTURE).read_text()).gpus
+        devices = [
+            {
+                "name": f"gpu-{gpu.minor}",
+                "attributes": {
+                    "uuid": {"string": gpu.uuid},
+                    "resource.kubernetes.io/pciBusID": {"string": normalize_bus_id(gpu.bus_id)},
+                },
+            }
+            for gpu in gpus
+        ]
+        add_resource_slice(api, f"{node}-gpu.nvidia.com-x7k2p", node, "gpu.nvidia.com", devices)
+    if "npu" in which:
+        chips = resolve_ids(parse_info((fixtures / NPU_INFO_FIXTURE).read_text()).chips, None)
+        devices = [
+            {"name": f"ascend910-{chip.device_number}", "attributes": {"physicId": {"int": chip.device_number}}}
+            for chip in chips
+        ]
+        add_resource_slice(api, f"{node}-npu.huawei.com-q4m8d", node, "npu.huawei.com", devices)
 
 
 def npu_smi_spec(fixtures: Path, log: Path) -> dict[str, Any]:
@@ -172,11 +204,19 @@ class FakeNode:
         interval: float = 1.0,
         kube: bool = True,
         ledger: bool = True,
+        hold: str = "davinci0",
+        dra: str | None = None,
+        publish: tuple[str, ...] = ("gpu", "npu"),
+        kube_settings: dict[str, Any] | None = None,
     ) -> None:
         self.workdir = workdir
         self.kube = kube
         self.ledger = ledger
         self.kubelet: FakeKubelet | None = None
+        self.hold = hold  # the device node a process outside any pod holds open
+        self.dra = dra  # the Kubernetes release whose resource.k8s.io the double serves (kube_dra.RELEASES)
+        self.publish = publish  # the DRA drivers' slices of this node, with dra
+        self.kube_settings = kube_settings or {}
         self.api: ApiDouble | None = None
         self.fixtures = fixtures
         self.node_name = node_name
@@ -273,7 +313,12 @@ class FakeNode:
             self.api = ApiDouble().start()
             self._started.append(_Stoppable(self.api))
             self.api.add_node(self.node_name, labels={"node.kubernetes.io/instance-type": "fake-910b"})
+            capacity = {"huawei.com/Ascend910": str(NPU_CHIPS), "nvidia.com/gpu": str(GPUS)}
+            self.api.mutate("nodes", "", self.node_name, lambda n: n["status"].update({"capacity": capacity}))
             self.api.add_node("fake-node-2")
+            if self.dra is not None:
+                self.api.serve_dra(self.dra)
+                publish_devices(self.api, self.node_name, self.fixtures, self.publish)
             kubeconfig = self.api.write_kubeconfig(work / "kubeconfig", token="fake")
             config["kubernetes"] = {
                 **config["kubernetes"],
@@ -282,6 +327,7 @@ class FakeNode:
                 "max_unhealthy": "0",
                 "budget_namespace": "node-health",
                 "poll_seconds": 0.5,
+                **self.kube_settings,
             }
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         return config
@@ -304,15 +350,29 @@ class FakeNode:
         return path
 
     def start_holder(self) -> None:
-        """A process outside any pod that opens davinci0 and keeps it open."""
-        code = "import sys,time; f=open(sys.argv[1],'rb'); print('held', flush=True); time.sleep(600)"
-        self._holder = subprocess.Popen(
-            [sys.executable, "-c", code, str(self.workdir / "dev" / "davinci0")], stdout=subprocess.PIPE
+        """A process outside any pod that holds the held device node (davinci0 by default) open.
+
+        It opens a pseudo-terminal and keeps its slave open; the held node becomes a character device with the
+        slave's number. That number is this holder's alone (a /dev/full copy would also be held by every other
+        fake node on the host), so the device is free again exactly when this process exits."""
+        code = (
+            "import os,time; m,s=os.openpty(); r=os.fstat(s).st_rdev; "
+            "print(os.major(r), os.minor(r), flush=True); time.sleep(600)"
         )
+        self._holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
         assert self._holder.stdout is not None
-        line = self._holder.stdout.readline()
-        if line.strip() != b"held":
-            raise RuntimeError("the davinci0 holder did not start")
+        line = self._holder.stdout.readline().split()
+        if len(line) != 2:
+            raise RuntimeError(f"the {self.hold} holder did not start")
+        node = self.workdir / "dev" / self.hold
+        node.unlink()
+        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(int(line[0]), int(line[1])))
+
+    def stop_holder(self) -> None:
+        """The out-of-band holder exits: the device is free again."""
+        if self._holder is not None and self._holder.poll() is None:
+            self._holder.kill()
+            self._holder.wait(timeout=10)
 
     def start_agent(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}

@@ -12,7 +12,9 @@ way kube-apiserver does them:
 - a write to `nodes/{name}` ignores status, a write to `nodes/{name}/status` changes only status;
 - validation of what the agent writes: taint effects and duplicates, label syntax, condition status;
 - faults: 409, 429 (with Retry-After), 500, 403, slow answers, reset connections, and a whole outage
-  (listener closed, live connections cut: the client sees connection refused).
+  (listener closed, live connections cut: the client sees connection refused);
+- `resource.k8s.io` (kube_dra.py): discovery of v1 / v1beta2 or no DRA at all, ResourceSlices with field
+  selectors, DeviceTaintRules with strict field validation (`serve_dra(release)`; none by default).
 
 Every write is recorded (`double.writes`) so tests can count the API writes an agent makes; every request,
 its query and the bytes of its answer too (`double.log`), so tests can check which verbs the agent uses and
@@ -41,6 +43,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import kubernetes.client
 
+from support import kube_dra
 from support.kube_semantics import (
     JSON_PATCH,
     KINDS,
@@ -142,6 +145,8 @@ class ApiDouble:
         # When set, every request must carry `Authorization: Bearer <token>`, else 401 (as the API server's
         # authenticator answers before anything else).
         self.token: str | None = None
+        # resource.k8s.io as a release serves it: version → resources (kube_dra.RELEASES); empty: no DRA.
+        self.dra: dict[str, tuple[str, ...]] = {}
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -305,6 +310,19 @@ class ApiDouble:
 
         self.before_write = interpose
 
+    # --- resource.k8s.io ------------------------------------------------------------------------
+
+    def serve_dra(self, release: str) -> None:
+        """Serve resource.k8s.io as Kubernetes `release` does ("1.37", "1.36", "1.36-no-taint-rules", "none")."""
+        self.dra = dict(kube_dra.RELEASES[release])
+
+    def device_taint_rules(self, label_selector: str = "") -> list[dict[str, Any]]:
+        return self.list("devicetaintrules", "", label_selector)
+
+    def locked(self) -> threading.RLock:
+        """The store lock, for a read-modify-write that must not interleave with another request."""
+        return self._lock
+
     def node_writes(self, node: str) -> list[Write]:
         pattern = re.compile(rf"^/api/v1/nodes/{re.escape(node)}(/status)?$")
         return [w for w in self.writes if pattern.match(w.path) and w.status < 300]
@@ -348,7 +366,14 @@ class ApiDouble:
             head["metadata"]["resourceVersion"] = str(self._store.revision)
         return json.dumps(head)[:-1] + ', "items": [' + ", ".join(items) + "]}"
 
-    def create(self, resource: str, namespace: str, body: dict[str, Any], keep_status: bool = False) -> dict[str, Any]:
+    def create(
+        self,
+        resource: str,
+        namespace: str,
+        body: dict[str, Any],
+        keep_status: bool = False,
+        api_version: str = "v1",
+    ) -> dict[str, Any]:
         body = copy.deepcopy(body)
         metadata = body.setdefault("metadata", {})
         if not metadata.get("name") and metadata.get("generateName"):
@@ -367,7 +392,7 @@ class ApiDouble:
             metadata["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             if namespace:
                 metadata["namespace"] = namespace
-            body["apiVersion"] = "v1"
+            body["apiVersion"] = api_version
             body["kind"] = KINDS[resource]
             validate_object(resource, body)
             return self._save(resource, namespace, name, body)
@@ -408,18 +433,30 @@ class ApiDouble:
             for immutable in ("name", "uid", "creationTimestamp", "namespace"):
                 if immutable in current["metadata"]:
                     result.setdefault("metadata", {})[immutable] = current["metadata"][immutable]
-            result["apiVersion"], result["kind"] = "v1", KINDS[resource]
+            result["apiVersion"], result["kind"] = current.get("apiVersion", "v1"), KINDS[resource]
             validate_object(resource, result)
             if _without_rv(result) == _without_rv(current):
                 return copy.deepcopy(current)  # a no-op write does not bump resourceVersion
             return self._save(resource, namespace, name, result)
 
-    def delete(self, resource: str, namespace: str, name: str) -> dict[str, Any]:
+    def delete(
+        self, resource: str, namespace: str, name: str, preconditions: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """DeleteOptions.preconditions (uid, resourceVersion) that do not hold are a 409, as from the API."""
         with self._lock:
-            obj = self._store.objects.pop((resource, namespace, name), None)
-            self._store.encoded.pop((resource, namespace, name), None)
-            if obj is None:
+            current = self._store.objects.get((resource, namespace, name))
+            if current is None:
                 raise ApiError(404, "NotFound", f'{resource} "{name}" not found')
+            for key in ("uid", "resourceVersion"):
+                wanted = (preconditions or {}).get(key)
+                if wanted and wanted != current["metadata"].get(key):
+                    raise ApiError(
+                        409,
+                        "Conflict",
+                        f"Precondition failed: {key}: {wanted}, actual: {current['metadata'].get(key)}",
+                    )
+            obj = self._store.objects.pop((resource, namespace, name))
+            self._store.encoded.pop((resource, namespace, name), None)
             self._store.revision += 1
             return obj
 
@@ -427,20 +464,23 @@ class ApiDouble:
         self, resource: str, namespace: str, name: str, subresource: str, content_type: str, patch: Any
     ) -> dict[str, Any]:
         with self._lock:
-            current = self.get(resource, namespace, name)
-            if content_type == STRATEGIC:
-                if resource not in KINDS:
-                    raise ApiError(415, "UnsupportedMediaType", "strategic merge patch needs a built-in type")
-                new = strategic_merge(current, patch)
-            elif content_type == MERGE:
-                new = merge_patch(current, patch)
-            elif content_type == JSON_PATCH:
-                new = json_patch(current, patch)
-            else:
-                raise ApiError(
-                    415, "UnsupportedMediaType", f"the body of the request was in an unknown format {content_type!r}"
-                )
+            new = self.patched(resource, self.get(resource, namespace, name), content_type, patch)
             return self.update(resource, namespace, name, subresource, new, patched=True)
+
+    @staticmethod
+    def patched(resource: str, current: dict[str, Any], content_type: str, patch: Any) -> dict[str, Any]:
+        """`current` with `patch` applied, in the patch type the Content-Type names."""
+        if content_type == STRATEGIC:
+            if resource not in KINDS:
+                raise ApiError(415, "UnsupportedMediaType", "strategic merge patch needs a built-in type")
+            return dict(strategic_merge(current, patch))
+        if content_type == MERGE:
+            return dict(merge_patch(current, patch))
+        if content_type == JSON_PATCH:
+            return dict(json_patch(current, patch))
+        raise ApiError(
+            415, "UnsupportedMediaType", f"the body of the request was in an unknown format {content_type!r}"
+        )
 
     @property
     def revision(self) -> int:
@@ -518,6 +558,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.api.requests.append((method, path))
         self._current = (method, path, parse_qs(url.query))
+        self._warnings: list[str] = []
         if self.api.token is not None and self.headers.get("Authorization") != f"Bearer {self.api.token}":
             self._error(ApiError(401, "Unauthorized", "Unauthorized"))
             return
@@ -563,6 +604,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(
         self, method: str, path: str, query: dict[str, list[str]], content_type: str, body: Any
     ) -> tuple[int, Any]:
+        if path == "/apis" or path.startswith("/apis/"):
+            return kube_dra.route(self.api, method, path, query, content_type, body, self._warnings)
         match = _PATH.match(path)
         if match is None:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource {path}")
@@ -617,7 +660,7 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "PATCH":
             return 200, api.patch(resource, namespace, name, sub, content_type, body)
         if method == "DELETE":
-            api.delete(resource, namespace, name)
+            api.delete(resource, namespace, name, (body or {}).get("preconditions") if isinstance(body, dict) else None)
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
         raise ApiError(405, "MethodNotAllowed", method)
 
@@ -646,6 +689,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             for key, value in (headers or {}).items():
                 self.send_header(key, value)
+            for warning in getattr(self, "_warnings", ()):
+                self.send_header("Warning", warning)
             self.end_headers()
             self.wfile.write(data)
         except OSError:

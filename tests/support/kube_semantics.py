@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from typing import Any
 
 STRATEGIC = "application/strategic-merge-patch+json"
@@ -20,12 +21,21 @@ MERGE_KEYS: dict[tuple[str, ...], str] = {
     ("metadata", "ownerReferences"): "uid",
 }
 
-KINDS = {"nodes": "Node", "configmaps": "ConfigMap", "events": "Event", "pods": "Pod"}
+KINDS = {
+    "nodes": "Node",
+    "configmaps": "ConfigMap",
+    "events": "Event",
+    "pods": "Pod",
+    "resourceslices": "ResourceSlice",
+    "devicetaintrules": "DeviceTaintRule",
+}
 NAMESPACED = {"configmaps", "events", "pods"}
 
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+# Validation of other API groups' kinds (kube_dra.py registers resource.k8s.io's): resource → check.
+EXTRA_VALIDATORS: dict[str, Callable[[dict[str, Any]], None]] = {}
 
 
 class ApiError(Exception):
@@ -254,6 +264,15 @@ def _validate_label_key(key: str) -> bool:
     return bool(_LABEL_NAME.match(name)) and (not prefix or bool(_DNS_SUBDOMAIN.match(prefix)))
 
 
+def qualified_name_valid(key: str) -> bool:
+    """A label key / taint key: an optional DNS-subdomain prefix and a name of at most 63 characters."""
+    return _validate_label_key(key)
+
+
+def label_value_valid(value: Any) -> bool:
+    return isinstance(value, str) and (not value or bool(_LABEL_NAME.match(value)))
+
+
 def validate_object(resource: str, obj: dict[str, Any]) -> None:
     metadata = obj.get("metadata") or {}
     for key, value in (metadata.get("labels") or {}).items():
@@ -285,3 +304,6 @@ def validate_object(resource: str, obj: dict[str, Any]) -> None:
         for key, value in (obj.get("data") or {}).items():
             if not re.match(r"^[-._a-zA-Z0-9]+$", key) or not isinstance(value, str):
                 raise ApiError(422, "Invalid", f"data: invalid key {key!r}")
+    extra = EXTRA_VALIDATORS.get(resource)
+    if extra is not None:
+        extra(obj)

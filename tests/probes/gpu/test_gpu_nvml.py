@@ -127,6 +127,8 @@ def test_faulty_gpus_each_fault_maps_to_its_reason(tmp_path: Path, fake_nvml: Pa
         "processes": [999999],
         "reasons": ["GpuMemoryLow"],
         "device_ids": ["GPU-00000000-0000-0000-0000-000000000001"],
+        "pci_bus_id": "00000000:19:00.0",
+        "device_minor": 1,
     }
     assert run.sample("nodehealth_gpu_retired_pages_total", gpu="4", cause="dbe") == 2
     assert run.sample("nodehealth_gpu_row_remap_failed", gpu="2") == 1

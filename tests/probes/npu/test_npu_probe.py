@@ -17,7 +17,13 @@ import pytest
 from support.fake_npu_smi import FakeSmi, context, make_dev, npu_fixture, run_probe, sample, table
 from support.system import REPO, require_root, require_tool
 
-from probes.base import OBSERVED_HBM_FREE_MIB, Status
+from probes.base import (
+    OBSERVED_DEVICE_MINOR,
+    OBSERVED_HBM_FREE_MIB,
+    OBSERVED_PCI_BUS_ID,
+    OBSERVED_PHYSICAL_ID,
+    Status,
+)
 from probes.npu.npu import NpuProbe
 from probes.runtime.host import Host
 
@@ -58,6 +64,20 @@ def test_a3_table_through_npu_smi_on_path(tmp_path: Path, fake: FakeSmi) -> None
         "container": "",
     }
     assert fake.calls() == ["info", "info -m"]
+
+
+def test_every_chip_finding_carries_the_ids_the_cluster_knows_it_by(tmp_path: Path, fake: FakeSmi) -> None:
+    """The A3 table prints Phy-ID: physical id, Bus-Id and /dev/davinciN on every finding about a chip (what a DRA
+    slice's physicId and a public fault's deviceIds are); node-wide findings carry none."""
+    fake.answer({"info": table("a3-910_93-2card-4chip-1proc-info-25.2.0.txt")})
+    findings, _ = run_probe(context(tmp_path))
+    buses = ["0000:9C:00.0", "0000:9E:00.0", "0000:37:00.0", "0000:39:00.0"]
+    for chip in range(4):
+        for check in ("npu.health", "npu.hbm"):
+            observed = findings[(check, f"npu{chip}")].observed
+            ids = (observed[OBSERVED_PHYSICAL_ID], observed[OBSERVED_PCI_BUS_ID], observed[OBSERVED_DEVICE_MINOR])
+            assert ids == (chip, buses[chip], chip), (check, chip)
+    assert OBSERVED_PHYSICAL_ID not in findings[("npu.smi", "")].observed
 
 
 def test_mapping_gives_logical_ids_and_is_kept_between_runs(tmp_path: Path, fake: FakeSmi) -> None:

@@ -459,6 +459,7 @@ def test_errors_on_an_npu_or_the_port_above_it_carry_the_device(tree: SysTree) -
     assert (port.status, port.reason, port.device, port.category) == (Status.FAIL, "PcieFatalErrors", 1, "npu")
     assert port.message.startswith("npu1 (0000:83:00.0), port 0000:82:00.0 above it: 1 new fatal PCIe error")
     assert port.observed["accelerator"] == "npu1"
+    assert port.observed["pci_bus_id"] == "0000:83:00.0", "the device's own Bus-Id, not the port's: what DRA matches"
     npu1 = aer["0000:83:00.0"]
     assert (npu1.status, npu1.device) == (Status.OK, 1)
     assert npu1.message.startswith("npu1 (0000:83:00.0): no uncorrectable PCIe errors")

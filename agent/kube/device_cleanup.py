@@ -1,0 +1,133 @@
+"""`node-health cleanup`, for devices: the agents' DeviceTaintRules deleted, their public faults recovered, their
+device budget slots given back; nothing that is not the agents' is touched.
+
+Rules are found by the agents' labels (of one node, or of every node) and their labels checked again before each
+delete, which carries the rule's resourceVersion as a precondition. A public fault is cleared by its `recover`,
+not by deleting the ConfigMap (ClusterD keeps a fault whose ConfigMap is gone): each of the agents' ConfigMaps is
+rewritten with every fault recovered, and left in place. A line is printed only for what there was to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agent.config import Config
+from agent.kube.client import KubeApi, agent_namespace, short_error
+from agent.kube.device_budget import DeviceBudget
+from agent.kube.devices import is_own_rule, node_label_value, own_rules_selector
+from agent.kube.dra import discover
+from agent.kube.publicfault import own_selector, parse_faults, recover_all
+
+
+def _rules(api: KubeApi, prefix: str, label: str | None, dry_run: bool, out: Callable[[str], None], now: float) -> bool:
+    try:
+        version = discover(api, now).rules
+        if version is None:
+            return True
+        items = api.list_device_taint_rules(version, own_rules_selector(prefix, label))
+    except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it
+        out(f"devicetaintrules: not read: {short_error(exc)}")
+        return False
+    mine = sorted((r for r in items if is_own_rule(r, prefix, label)), key=lambda r: r["metadata"]["name"])
+    removed, ok = [], True
+    for rule in mine:
+        name = rule["metadata"]["name"]
+        if dry_run:
+            removed.append(name)
+            continue
+        try:
+            api.delete_device_taint_rule(version, name, str(rule["metadata"].get("resourceVersion")))
+        except Exception as exc:  # noqa: BLE001 - the others are still removed
+            out(f"devicetaintrule {name}: not removed: {short_error(exc)}")
+            ok = False
+            continue
+        removed.append(name)
+    if removed:
+        out(f"devicetaintrules: {'would remove' if dry_run else 'removed'} {len(removed)} ({', '.join(removed)})")
+    return ok
+
+
+def _faults(
+    api: KubeApi,
+    config: Config,
+    label: str | None,
+    dry_run: bool,
+    out: Callable[[str], None],
+    clock: Callable[[], float],
+) -> bool:
+    policy = config.kubernetes
+    settings = policy.mindcluster.public_fault
+    if not settings.enabled:
+        return True
+    try:
+        found = api.list_configmaps(settings.namespace, own_selector(policy.key_prefix, label))
+    except Exception as exc:  # noqa: BLE001
+        out(f"public faults {settings.namespace}: not read: {short_error(exc)}")
+        return False
+    ok = True
+    for configmap in sorted(found, key=lambda c: c["metadata"]["name"]):
+        where = f"public faults {settings.namespace}/{configmap['metadata']['name']}"
+        try:
+            if dry_run:
+                count = sum(1 for f in parse_faults(configmap) if f["assertion"] == "occur")
+                if count:
+                    out(f"{where}: would recover {count} fault(s)")
+                continue
+            count = recover_all(api, configmap, clock)
+            if count:
+                out(f"{where}: recovered {count} fault(s)")
+        except Exception as exc:  # noqa: BLE001
+            out(f"{where}: not recovered: {short_error(exc)}")
+            ok = False
+    return ok
+
+
+def _slots(
+    api: KubeApi,
+    config: Config,
+    nodes: list[str] | None,
+    dry_run: bool,
+    out: Callable[[str], None],
+    clock: Callable[[], float],
+) -> bool:
+    policy = config.kubernetes
+    namespace = agent_namespace(policy)
+    where = f"device budget {namespace}/{policy.device_budget_configmap}"
+    budget = DeviceBudget(
+        api, "", namespace, policy.device_budget_configmap, policy.key_prefix, clock, lambda what: None
+    )
+    try:
+        if dry_run:
+            held = budget.usage()[0] if api.get_configmap(namespace, policy.device_budget_configmap) else {}
+            gone = {n: len(d) for n, d in held.items() if nodes is None or n in nodes}
+        else:
+            gone = budget.release_nodes(nodes, "node-health cleanup")
+    except Exception as exc:  # noqa: BLE001
+        out(f"{where}: slots not released: {short_error(exc)}")
+        return False
+    if gone:
+        verb = "would release" if dry_run else "released"
+        out(f"{where}: {verb} {sum(gone.values())} device slot(s) ({', '.join(sorted(gone))})")
+    return True
+
+
+def clean_devices(
+    api: KubeApi,
+    config: Config,
+    node: str | None,
+    release: list[str] | None,
+    dry_run: bool,
+    out: Callable[[str], None],
+    clock: Callable[[], float],
+) -> bool:
+    """node None: every node's. release: the nodes whose device slots go (None: every slot). False when an API
+    error left something undone (the lines say what)."""
+    prefix = config.kubernetes.key_prefix
+    label = node_label_value(node) if node is not None else None
+    if node is not None and label is None:
+        out(f"node {node}: its name cannot be a label value: its devicetaintrules and public faults are not listed")
+        return _slots(api, config, release, dry_run, out, clock)
+    rules = _rules(api, prefix, label, dry_run, out, clock())
+    faults = _faults(api, config, label, dry_run, out, clock)
+    # The slots go only once what they stand for is gone.
+    return rules and faults and _slots(api, config, release, dry_run, out, clock)

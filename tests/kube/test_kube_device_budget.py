@@ -1,0 +1,155 @@
+"""The device budget: a fleet-wide false positive on devices never isolates more than the budget, the rest is
+withheld and says so, and a waiting node's cost does not grow with the fleet (O(isolated), not O(fleet))."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import kubernetes.client
+import pytest
+from support.kube_devices import GPUS, gpu_finding, publish_gpus
+from support.kube_double import ApiDouble
+from support.kube_helpers import BUDGET_NS, Clock, conditions, health_state, make_agent, our_taints
+
+from agent.kube import KubeAgent
+from agent.state import HealthState
+
+PROBES = {"gpu": ("gpu.health",)}
+DEVICE_BUDGET = f"/api/v1/namespaces/{BUDGET_NS}/configmaps/node-health-device-budget"
+
+
+class RuleWatch:
+    """after_write hook: the agents' rules after every stored change, and the most there ever were."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def __call__(self, api: ApiDouble) -> None:
+        count = sum(1 for key in api._store.objects if key[0] == "devicetaintrules")
+        self.most = max(self.most, count)
+
+
+def drive(pool: ThreadPoolExecutor, agents: Iterable[KubeAgent], clock: Clock, done: Callable[[], bool]) -> None:
+    agents = list(agents)
+    for _ in range(200):
+        list(pool.map(lambda agent: agent.step(), agents))
+        if done():
+            return
+        clock.advance(5)
+    raise AssertionError("the fleet did not converge")
+
+
+def every_gpu(state: HealthState, status: str) -> None:
+    """A gpu probe run; status warn: a bad driver release marks every GPU of the fleet at once."""
+    reason = "GpuThrottled" if status == "warn" else "OK"
+    state.record("gpu", [gpu_finding(g, "gpu.health", status, reason) for g in GPUS])
+
+
+def device_budget(double: ApiDouble) -> dict[str, list[str]]:
+    configmap = double.configmap(BUDGET_NS, "node-health-device-budget") or {}
+    return {node: json.loads(raw)["devices"] for node, raw in (configmap.get("data") or {}).items()}
+
+
+@pytest.mark.system
+def test_a_fleet_wide_false_positive_is_capped_by_the_device_budget(double: ApiDouble) -> None:
+    nodes, per_node = 40, len(GPUS)
+    limit = nodes * per_node // 10  # 10% of 320 GPUs
+    clock = Clock()
+    double.serve_dra("1.37")
+    names = [f"gpu-{i:03d}" for i in range(nodes)]
+    for name in names:
+        double.add_node(name)
+        publish_gpus(double, name)
+    watch = RuleWatch()
+    double.after_write = watch
+    configuration = kubernetes.client.Configuration(host=double.host)
+    configuration.connection_pool_maxsize = 8
+    client = kubernetes.client.ApiClient(configuration)
+    states = {name: health_state(name, clock, PROBES) for name in names}
+    agents = {name: make_agent(double, states[name], clock, seed=i, client=client) for i, name in enumerate(names)}
+    for state in states.values():
+        every_gpu(state, "ok")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        drive(pool, agents.values(), clock, lambda: all(a.last_success for a in agents.values()))
+        for state in states.values():
+            every_gpu(state, "warn")
+        drive(pool, agents.values(), clock, lambda: len(double.device_taint_rules()) == limit)
+        for _ in range(30):  # a while longer: nobody gets past the budget, however often they ask
+            list(pool.map(lambda agent: agent.step(), agents.values()))
+            clock.advance(5)
+
+        rules = double.device_taint_rules()
+        assert len(rules) == limit and watch.most == limit, "never more than the budget, at any instant"
+        assert {r["spec"]["taint"]["effect"] for r in rules} == {"None"}, "a warn is informational"
+        assert sum(len(devices) for devices in device_budget(double).values()) == limit
+        withheld = [
+            n for n in names if agents[n].status()["devices"]["budget"]["held"] != [f"gpu{i}" for i in range(8)]
+        ]
+        assert withheld, "most nodes could not isolate every GPU"
+        for name in withheld:
+            node = double.node(name)
+            assert our_taints(node) == {}, "a withheld device does not fall back to the node taint"
+            message = conditions(node)["GPUHealthy"]["message"]
+            assert "isolation withheld: the device budget is spent" in message
+            assert f"device budget: {limit} of {limit} devices isolated" in message.split(" — ", 1)[1], "in the details"
+            entries = json.loads(node["metadata"]["annotations"]["node-health/isolated-devices"])
+            assert "withheld" in {e["mechanism"] for e in entries}
+        warned = [
+            e["involvedObject"]["name"] for e in double.events() if e["reason"] == "DeviceTaintSuppressedByBudget"
+        ]
+        assert sorted(warned) == sorted(withheld), "one Event per node, not one per chip"
+
+        # Waiting costs a metadata GET of the budget, whatever the fleet: nothing lists the fleet's Nodes or slices.
+        start = len(double.log)
+        for _ in range(24):
+            list(pool.map(lambda agent: agent.step(), agents.values()))
+            clock.advance(5)
+        window = double.log[start:]
+        assert not [r for r in window if r.path == "/api/v1/nodes"], "no Node list while waiting"
+        assert not [r for r in window if r.path.endswith("/resourceslices") and "fieldSelector" not in r.query]
+        full = [r for r in window if r.path == DEVICE_BUDGET and "PartialObjectMetadata" not in r.accept]
+        metadata = [r for r in window if r.path == DEVICE_BUDGET and "PartialObjectMetadata" in r.accept]
+        assert metadata and len(full) <= len(metadata) // 4, (len(full), len(metadata))
+
+        for state in states.values():
+            every_gpu(state, "ok")
+        drive(pool, agents.values(), clock, lambda: not double.device_taint_rules() and not device_budget(double))
+    assert watch.most == limit
+
+
+@pytest.mark.system
+def test_slots_of_a_node_whose_rules_are_gone_are_verified_away(double: ApiDouble) -> None:
+    """A node whose agent died holds slots for rules that are gone: when the budget is spent, the next node to ask
+    verifies the holders against the agents' labelled rules, and gets the slot."""
+    clock = Clock()
+    double.serve_dra("1.37")
+    for name in ("n1", "n2"):
+        double.add_node(name)
+        publish_gpus(double, name)
+    stale = {"devices": ["gpu0"], "at": clock.now - 3600}
+    fleet = {"nodes": 16, "selector": "", "counted_at": clock.now, "verified_at": 0, "recount_by": "", "recount_at": 0}
+    double.create(
+        "configmaps",
+        BUDGET_NS,
+        {
+            "metadata": {
+                "name": "node-health-device-budget",
+                "annotations": {"node-health/device-slots": "1", "node-health/device-fleet": json.dumps(fleet)},
+            },
+            "data": {"gone-node": json.dumps(stale)},
+        },
+    )
+    state = health_state("n1", clock, PROBES)
+    agent = make_agent(double, state, clock, max_unhealthy_devices="1")
+    state.record("gpu", [gpu_finding(g, "gpu.health", "fail" if g.index == 2 else "ok", "GpuThrottled") for g in GPUS])
+    agent.reconcile_once()
+    assert len(double.device_taint_rules()) == 1
+    assert device_budget(double) == {"n1": ["gpu2"]}, "the dead node's slot was verified away"
+    listed = [r for r in double.log if r.path.endswith("/devicetaintrules") and r.method == "GET"]
+    assert any(
+        "node-health/node" in r.query["labelSelector"][0] and "=" not in r.query["labelSelector"][0].split(",")[-1]
+        for r in listed
+    )
