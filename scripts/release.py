@@ -81,6 +81,9 @@ def build(podman: list[str], manifest: str, arch: str, args: argparse.Namespace,
     argv = [*podman, "build", "--platform", f"linux/{arch}", "--manifest", manifest, *args.build_option]
     for name, value in build_args.items():
         argv += ["--build-arg", f"{name}={value}"]
+        # Also as --label: the Dockerfile's LABEL layer may come from podman's layer cache (a build by hand or a
+        # test image with VERSION=unknown), and a --label is set on the built image whatever the cache held.
+        argv += ["--label", f"org.opencontainers.image.{name.lower()}={value}"]
     if arch in args.base:
         argv += ["--build-arg", f"BASE={args.base[arch]}"]
     run([*argv, "--file", str(REPO / "Dockerfile"), str(REPO)])

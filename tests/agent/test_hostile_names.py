@@ -178,7 +178,13 @@ def test_check_table(prepared: HostileNode) -> None:
     assert result.returncode == 1, result.stderr[-2000:]
     assert_clean_lines(result.stdout, "the check table")
     assert_clean_lines(result.stderr, "check's stderr")
-    rows = [line for line in result.stdout.splitlines() if "npu.holders" in line and "NpuHeldOutOfBand" in line]
+    # A row is its first line and the indented lines under it (a long message is wrapped between words).
+    lines = result.stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if "npu.holders" in line and "NpuHeldOutOfBand" in line]
+    rows = []
+    for start in starts:
+        end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+        rows.append(" ".join(line.strip() for line in lines[start:end]))
     assert rows and all(f"PID {prepared.holder_pid} ({SHOWN})" in row for row in rows), result.stdout
 
 
