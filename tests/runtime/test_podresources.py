@@ -113,6 +113,7 @@ def test_the_committed_stubs_are_generated_from_the_committed_proto(tmp_path: Pa
     )
 
 
+@pytest.mark.system
 def test_the_reader_child_never_imports_the_agent_or_pydantic(tmp_path: Path) -> None:
     with FakeKubelet() as kubelet:
         kubelet.allocate("a", "p", "c", "nvidia.com/gpu", "GPU-x")
@@ -136,6 +137,7 @@ def test_the_reader_child_never_imports_the_agent_or_pydantic(tmp_path: Path) ->
     assert modules == "", f"the reader imported {modules}"
 
 
+@pytest.mark.system
 def test_last_read_is_what_the_agent_serves_pod_devices_from() -> None:
     with FakeKubelet() as kubelet:
         kubelet.allocate("team-a", "train-0", "worker", "huawei.com/Ascend910", "Ascend910-1", "Ascend910-2")
@@ -148,6 +150,7 @@ def test_last_read_is_what_the_agent_serves_pod_devices_from() -> None:
         assert read.observed()["ledger"] == "ok"
 
 
+@pytest.mark.system
 def test_one_reader_child_serves_the_reads_and_a_broken_one_is_replaced() -> None:
     """The child stays up between reads (a few ms each instead of an interpreter start); one that died is started
     anew at the next read, and a read it cannot answer in time kills it."""

@@ -94,6 +94,9 @@ class FakeKubelet:
     # --- the server process -----------------------------------------------------------------------
 
     def start(self) -> FakeKubelet:
+        from support.system import assert_system_test
+
+        assert_system_test("a fake kubelet (a gRPC server on a unix socket)")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), str(HERE.parents[1])])}
         self._server = subprocess.Popen([sys.executable, str(HERE), self.socket, str(self.state)], env=env)
         deadline = time.monotonic() + 20

@@ -186,6 +186,7 @@ def test_the_pod_the_chip_is_allocated_to_may_hold_it(tmp_path: Path, fake: Fake
 # --- (c) no longer offered, (d) free in the ledger ---------------------------------------------------------
 
 
+@pytest.mark.system
 def test_a_chip_the_plugin_no_longer_offers_warns_beside_the_agents_verdict(
     tmp_path: Path, fake: FakeSmi, kubelet: FakeKubelet
 ) -> None:
@@ -204,6 +205,7 @@ def test_a_chip_the_plugin_no_longer_offers_warns_beside_the_agents_verdict(
     assert run_probe(strict)[0][("npu.ledger", "npu5")].status == Status.FAIL
 
 
+@pytest.mark.system
 def test_hbm_in_use_with_no_process_says_the_chip_is_free_in_the_ledger(
     tmp_path: Path, fake: FakeSmi, kubelet: FakeKubelet
 ) -> None:
@@ -301,6 +303,7 @@ def test_a_hung_kubelet_leaves_the_holder_checks_as_they_are(tmp_path: Path, fak
     assert ("npu.ledger", "npu0") not in findings
 
 
+@pytest.mark.system
 def test_an_unavailable_kubelet_is_unknown_and_named(tmp_path: Path, fake: FakeSmi) -> None:
     with FakeKubelet(mode="unavailable") as server:
         findings, samples = run_probe(context(tmp_path, kubelet=KubeletAccess(server.socket, 2.0)))
@@ -311,6 +314,7 @@ def test_an_unavailable_kubelet_is_unknown_and_named(tmp_path: Path, fake: FakeS
     assert not [s for s in samples if s.name == "nodehealth_device_allocated"]
 
 
+@pytest.mark.system
 def test_reads_stay_within_the_kubelets_rate_limit(tmp_path: Path, fake: FakeSmi, kubelet: FakeKubelet) -> None:
     """Twenty runs back to back, as a 1 s interval would never even do: one read per run at most, each two calls,
     never one refused by the kubelet's limit (100 QPS, burst 10)."""
@@ -323,6 +327,7 @@ def test_reads_stay_within_the_kubelets_rate_limit(tmp_path: Path, fake: FakeSmi
     assert kubelet.limited == 0
 
 
+@pytest.mark.system
 def test_a_kubelet_that_refuses_over_its_rate_limit_leaves_the_ledger_unknown(tmp_path: Path, fake: FakeSmi) -> None:
     with FakeKubelet(rate=0.001, burst=1) as server:  # one call, then none for a long while
         server.offer(ASCEND, *ALL_CHIPS)
