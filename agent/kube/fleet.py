@@ -21,12 +21,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.config import Config, KubernetesConfig
-from agent.kube.budget import Fleet, budget_limit
+from agent.kube.budget import TaintBudget
 from agent.kube.client import KubeApi, agent_namespace, load_api_client, short_error
+from agent.kube.device_budget import DeviceBudget
 from agent.kube.devices import is_own_rule, own_rules_selector
 from agent.kube.dra import discover
 from agent.kube.policy import isolated_devices_key, ready_label_key, taint_key
 from agent.kube.publicfault import own_selector, parse_faults
+from agent.kube.slots import Fleet, budget_limit
 from probes.base import CATEGORIES
 from probes.storage.common import safe_text
 
@@ -144,9 +146,9 @@ class FleetView:
 def _budgets(api: KubeApi, policy: KubernetesConfig, notes: list[str]) -> list[Budget]:
     namespace = agent_namespace(policy)
     out = []
-    for name, of, setting, slots_key, fleet_key in (
-        (policy.budget_configmap, "nodes", policy.max_unhealthy, "slots", "fleet"),
-        (policy.device_budget_configmap, "devices", policy.max_unhealthy_devices, "device-slots", "device-fleet"),
+    for name, of, setting, kind in (
+        (policy.budget_configmap, "nodes", policy.max_unhealthy, TaintBudget),
+        (policy.device_budget_configmap, "devices", policy.max_unhealthy_devices, DeviceBudget),
     ):
         try:
             metadata = api.get_configmap_metadata(namespace, name)
@@ -155,9 +157,9 @@ def _budgets(api: KubeApi, policy: KubernetesConfig, notes: list[str]) -> list[B
             out.append(Budget(name, None, None, of, None, "not read"))
             continue
         annotations = (metadata or {}).get("annotations") or {}
-        fleet = Fleet.parse(annotations.get(f"{policy.key_prefix}/{fleet_key}"))
+        fleet = Fleet.parse(annotations.get(f"{policy.key_prefix}/{kind.FLEET_KEY}"))
         try:
-            used = int(annotations.get(f"{policy.key_prefix}/{slots_key}", "0"))
+            used = int(annotations.get(f"{policy.key_prefix}/{kind.SLOTS_KEY}", "0"))
         except ValueError:
             used = None
         percentage = setting.strip().endswith("%")
