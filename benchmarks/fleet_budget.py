@@ -56,11 +56,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from support.kube_double import ApiDouble, Request  # noqa: E402
-from support.kube_helpers import PREFIX, Clock, configure, record  # noqa: E402
+from support.kube_helpers import PREFIX, Clock, health_state, record  # noqa: E402
 
 from agent.config import parse_config  # noqa: E402
 from agent.kube import KubeAgent  # noqa: E402
-from agent.state import HealthSettings, HealthState  # noqa: E402
+from agent.state import HealthState  # noqa: E402
 
 BASELINE_COMMIT = "2a10fe9"
 BASELINE_FILES = ("agent/kube.py", "agent/kube_budget.py", "agent/kube_policy.py")
@@ -147,9 +147,7 @@ class Fleet:
         self.report()
 
     def _state(self) -> HealthState:
-        state = HealthState("fleet", HealthSettings(1, 1), clock=self.clock, monotonic=self.clock)
-        configure(state, PROBES)
-        return state
+        return health_state("fleet", self.clock, PROBES)
 
     def report(self) -> None:
         """A probe run on every node: results stay fresh."""
@@ -204,16 +202,51 @@ class Simulation:
             agent._attempt()
 
     def advance(self, seconds: float) -> None:
-        end = self.clock.now + seconds
-        while self.clock.now < end:
-            list(self.pool.map(self._step, self.agents))
-            self.clock.advance(TICK)
-            if int(self.clock.now) % 30 < TICK:
-                self.fleet.report()
+        simulate(self.clock, self.pool, self._step, self.agents, self.fleet.report, seconds)
 
     def close(self) -> None:
         self.pool.shutdown()
         self.double.stop()
+
+
+def simulate(
+    clock: Clock,
+    pool: ThreadPoolExecutor,
+    step: Callable[[Any], None],
+    agents: list[Any],
+    report: Callable[[], None],
+    seconds: float,
+) -> None:
+    """`seconds` of simulated time: every agent steps once per TICK (on the pool's threads), the probes report
+    every 30 s."""
+    end = clock.now + seconds
+    while clock.now < end:
+        list(pool.map(step, agents))
+        clock.advance(TICK)
+        if int(clock.now) % 30 < TICK:
+            report()
+
+
+def traffic(window: list[Request], sent: int, node_minutes: float) -> dict[str, Any]:
+    """What the incident cost the API: requests and bytes, in all, per node-minute and by kind."""
+    return {
+        "requests": len(window),
+        "bytes": sent,
+        "requests_per_node_minute": len(window) / node_minutes,
+        "bytes_per_node_minute": sent / node_minutes,
+        "requests_by_kind": dict(sorted(Counter(kind(r) for r in window).items())),
+        "conflicts": sum(1 for r in window if r.status == 409),
+    }
+
+
+def print_run(row: dict[str, Any], node_minutes: float, outcome: str) -> None:
+    """One algorithm's line (its cost and `outcome`), then its requests by kind."""
+    print(
+        f"{row['algorithm']:8}  {row['requests_per_node_minute']:8.3f} requests/node-minute  "
+        f"{row['bytes_per_node_minute'] / 1024:10.2f} KiB/node-minute  {outcome}  ({row['wall_seconds']} s)"
+    )
+    for name, count in row["requests_by_kind"].items():
+        print(f"          {name:48} {count / node_minutes:10.4f} per node-minute")
 
 
 def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, Any]:
@@ -238,12 +271,7 @@ def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, A
             "nodes": nodes,
             "minutes": minutes,
             "budget": sim.limit,
-            "requests": len(window),
-            "bytes": sent,
-            "requests_per_node_minute": len(window) / node_minutes,
-            "bytes_per_node_minute": sent / node_minutes,
-            "requests_by_kind": dict(sorted(Counter(kind(r) for r in window).items())),
-            "conflicts": sum(1 for r in window if r.status == 409),
+            **traffic(window, sent, node_minutes),
             "most_tainted": sim.watch.most,
             "tainted_at_end_of_incident": tainted_at_end,
             "tainted_after_recovery": len(sim.watch.tainted),
@@ -305,13 +333,7 @@ def main() -> int:
             continue
         results[algorithm] = run(algorithm, args.nodes, args.minutes, args.workers)
         row = results[algorithm]
-        print(
-            f"{algorithm:8}  {row['requests_per_node_minute']:8.2f} requests/node-minute  "
-            f"{row['bytes_per_node_minute'] / 1024:10.1f} KiB/node-minute  most tainted {row['most_tainted']} "
-            f"of {row['budget']}  ({row['wall_seconds']} s)"
-        )
-        for name, count in row["requests_by_kind"].items():
-            print(f"          {name:32} {count / (args.nodes * args.minutes):10.3f} per node-minute")
+        print_run(row, args.nodes * args.minutes, f"most tainted {row['most_tainted']} of {row['budget']}")
     if len(results) == 2:
         old, new = results["baseline"], results["new"]
         print(
