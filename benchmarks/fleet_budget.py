@@ -249,6 +249,21 @@ def print_run(row: dict[str, Any], node_minutes: float, outcome: str) -> None:
         print(f"          {name:48} {count / node_minutes:10.4f} per node-minute")
 
 
+def finish(results: dict[str, dict[str, Any]], output: str, invariant: str, most: str, unit: str, left: str) -> int:
+    """Writes the results; prints per algorithm whether the `most` it ever had stayed within its budget, and which
+    left something after recovery (a row's `*_after_recovery`: `left` says what). The exit status: 1 if either."""
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(results, indent=2))
+    broken = [r for r in results.values() if r[most] > r["budget"]]
+    leftovers = [r for r in results.values() if any(v for k, v in r.items() if k.endswith("_after_recovery"))]
+    for row in results.values():
+        verdict = "OK" if row[most] <= row["budget"] else "BROKEN"
+        print(f"{invariant} ({row['algorithm']}): {row[most]} <= {row['budget']} {unit}: {verdict}")
+    if leftovers:
+        print(f"{left} left after recovery: {[r['algorithm'] for r in leftovers]}")
+    return 1 if broken or leftovers else 0
+
+
 def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, Any]:
     sim = Simulation(algorithm, nodes, workers)
     try:
@@ -339,16 +354,7 @@ def main() -> int:
         print(
             f"new/baseline: requests x{new['requests'] / old['requests']:.3f}, bytes x{new['bytes'] / old['bytes']:.4f}"
         )
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(results, indent=2))
-    broken = [r for r in results.values() if r["most_tainted"] > r["budget"]]
-    leftovers = [r for r in results.values() if r["tainted_after_recovery"] or r["slots_after_recovery"]]
-    for row in results.values():
-        verdict = "OK" if row["most_tainted"] <= row["budget"] else "BROKEN"
-        print(f"budget invariant ({row['algorithm']}): {row['most_tainted']} <= {row['budget']} tainted: {verdict}")
-    if leftovers:
-        print(f"taints or slots left after recovery: {[r['algorithm'] for r in leftovers]}")
-    return 1 if broken or leftovers else 0
+    return finish(results, args.output, "budget invariant", "most_tainted", "tainted", "taints or slots")
 
 
 if __name__ == "__main__":

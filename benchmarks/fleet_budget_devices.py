@@ -20,11 +20,10 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import kubernetes.client
-from fleet_budget import REPO, add_nodes, print_run, simulate, traffic
+from fleet_budget import REPO, add_nodes, finish, print_run, simulate, traffic
 from support.kube_double import ApiDouble
 from support.kube_dra import add_resource_slice
 from support.kube_helpers import Clock, health_state
@@ -178,13 +177,4 @@ def main_devices(args: argparse.Namespace) -> int:
         old, new = results["baseline"], results["new"]
         ratios = {key: new[key] / max(1, old[key]) for key in ("requests", "bytes", "writes", "most_rules")}
         print("new/baseline: " + ", ".join(f"{key} x{value:.3f}" for key, value in ratios.items()))
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(output).write_text(json.dumps(results, indent=2))
-    broken = [r for r in results.values() if r["most_rules"] > r["budget"]]
-    left = [r for r in results.values() if r["rules_after_recovery"] or r["slots_after_recovery"]]
-    for row in results.values():
-        verdict = "OK" if row["most_rules"] <= row["budget"] else "BROKEN"
-        print(f"device budget invariant ({row['algorithm']}): {row['most_rules']} <= {row['budget']} rules: {verdict}")
-    if left:
-        print(f"rules or device slots left after recovery: {[r['algorithm'] for r in left]}")
-    return 1 if broken or left else 0
+    return finish(results, output, "device budget invariant", "most_rules", "rules", "rules or device slots")
