@@ -26,7 +26,6 @@ judged: from the future, stale; garbage, counted again) is the device budget's t
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -206,14 +205,6 @@ class TaintBudget(SlotBudget[str]):
     def release(self) -> bool:
         """Give the slot back; True when a write happened."""
         return bool(self.release_nodes([self.node], "released this node's slot"))
-
-    def release_nodes(self, nodes: Collection[str] | None, what: str = "") -> list[str]:
-        """Remove these nodes' slots (None: every slot and the fleet record); the nodes released."""
-        return sorted(self._release(nodes, what))
-
-    def holders(self) -> list[str]:
-        """The nodes holding a slot now (read-only)."""
-        return sorted(self._read().slots)
 
     def usage(self, settings: BudgetSettings) -> BudgetResult:
         """What acquire would answer, read-only (dry run): counts the nodes itself when no count is fresh."""

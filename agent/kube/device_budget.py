@@ -34,7 +34,7 @@ from typing import ClassVar
 
 from agent.config import KubernetesConfig
 from agent.kube.client import KubeApi
-from agent.kube.devices import own_rules_selector
+from agent.kube.dra import own_rules
 from agent.kube.publicfault import own_selector
 from agent.kube.slots import Fleet, SlotBudget, SlotSettings, SlotsRead, record_age, stamp
 
@@ -112,7 +112,7 @@ def census(api: KubeApi, settings: DeviceBudgetSettings) -> dict[str, frozenset[
     found: dict[str, set[str]] = {}
     node_key, device_key = f"{settings.prefix}/node", f"{settings.prefix}/device"
     if settings.rules_version is not None:
-        for rule in api.list_device_taint_rules(settings.rules_version, own_rules_selector(settings.prefix)):
+        for rule in own_rules(api, settings.rules_version, settings.prefix, None).values():
             metadata = rule.get("metadata") or {}
             node = (metadata.get("labels") or {}).get(node_key)
             device = (metadata.get("annotations") or {}).get(device_key)
@@ -248,10 +248,6 @@ class DeviceBudget(SlotBudget[Slot]):
                 return kept
         raise self._lost()
 
-    def release_nodes(self, nodes: Collection[str] | None, what: str) -> dict[str, int]:
-        """Cleanup: these nodes' slots (None: every slot and the fleet record); devices released per node."""
-        return {node: len(devices) for node, (devices, _) in self._release(nodes, what).items()}
-
     def would_grant(
         self, settings: DeviceBudgetSettings, wanted: Collection[str], isolated: Collection[str]
     ) -> DeviceGrant:
@@ -268,8 +264,3 @@ class DeviceBudget(SlotBudget[Slot]):
         room = limit - _used(state.slots) - len(adopted)
         held = frozenset(mine | adopted | set(sorted(new - adopted)[: max(0, room)]))
         return DeviceGrant(held, _used(state.slots) + len(held - mine), limit, fleet.nodes or 0)
-
-    def usage(self) -> tuple[dict[str, frozenset[str]], Fleet]:
-        """The slots per node and the fleet record (read-only: the fleet view, dry runs)."""
-        state = self._read()
-        return {node: devices for node, (devices, _) in state.slots.items()}, state.fleet

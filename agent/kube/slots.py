@@ -289,6 +289,15 @@ class SlotBudget(Generic[SlotT]):
 
     # --- cleanup ------------------------------------------------------------------------------------
 
+    def release_nodes(self, nodes: Collection[str] | None, what: str = "", dry_run: bool = False) -> dict[str, int]:
+        """Remove these nodes' slots (None: every slot and the fleet record); the budget's slots they held, per
+        node, in the nodes' order. dry_run: what would be removed, nothing written."""
+        if dry_run:
+            held = {n: slot for n, slot in self._read().slots.items() if nodes is None or n in nodes}
+        else:
+            held = self._release(nodes, what)
+        return {node: self._size(slot) for node, slot in sorted(held.items())}
+
     def _release(self, nodes: Collection[str] | None, what: str) -> dict[str, SlotT]:
         """Remove these nodes' slots (None: every slot and the fleet record); the slots removed."""
         for _ in range(self.attempts):

@@ -115,6 +115,16 @@ def test_dry_run_changes_nothing(double: ApiDouble, cluster: Path, capsys: pytes
 
 
 @pytest.mark.system
+def test_a_dry_run_of_one_node_names_its_slot_only(
+    double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, lines, _ = run(capsys, "--node", "gpu-1", "--dry-run", "--config", str(cluster))
+    assert code == 0
+    assert lines[-1] == "budget node-health/node-health-budget: would release 1 slot(s) (gpu-1)"
+    assert double.writes == []
+
+
+@pytest.mark.system
 def test_one_node_and_its_slot_only(double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, lines, _ = run(capsys, "--node", "gpu-1", "--config", str(cluster))
     assert code == 0
