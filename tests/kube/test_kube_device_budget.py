@@ -4,6 +4,7 @@ withheld and says so, and a waiting node's cost does not grow with the fleet (O(
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -228,3 +229,27 @@ def test_garbage_in_the_device_budget_is_counted_again_never_failing_open(
     assert sum(len(devices) for devices in device_budget(double).values()) == 2
     assert device_fleet(double)["nodes"] == 16
     assert logged >= 1, "the garbage was logged"
+
+
+@pytest.mark.system
+def test_a_garbage_device_fleet_record_that_stays_is_logged_once(
+    double: ApiDouble, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The budget ConfigMap cannot be written (every PUT fails): the garbage stays, the agent asks again after
+    each backoff and is refused each time (fail closed), and says once that the record is garbage."""
+    clock = Clock()
+    gpu_nodes(double, ("a",))
+    double.create("configmaps", BUDGET_NS, device_budget_configmap({}, '{"nodes": 1e999}'))
+    double.inject(path="configmaps/node-health-device-budget", method="PUT", status=500, times=-1)
+    state = health_state("a", clock, PROBES)
+    agent = make_agent(double, state, clock, max_unhealthy_devices="10%")
+    every_gpu(state, "warn")
+    with caplog.at_level(logging.WARNING, logger="agent.kube"):
+        for _ in range(4):
+            agent.reconcile_once()
+            clock.advance(600)  # past any backoff
+    assert double.device_taint_rules() == [], "no rule without a slot"
+    puts = [r for r in double.log if r.method == "PUT" and r.path == DEVICE_BUDGET]
+    assert len(puts) >= 3, "it asked again"
+    logged = [r for r in caplog.records if "fleet record is garbage" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]
