@@ -56,11 +56,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from support.kube_double import ApiDouble, Request  # noqa: E402
-from support.kube_helpers import PREFIX, Clock, configure, record  # noqa: E402
+from support.kube_helpers import PREFIX, Clock, health_state, record  # noqa: E402
 
 from agent.config import parse_config  # noqa: E402
 from agent.kube import KubeAgent  # noqa: E402
-from agent.state import HealthSettings, HealthState  # noqa: E402
+from agent.state import HealthState  # noqa: E402
 
 BASELINE_COMMIT = "2a10fe9"
 BASELINE_FILES = ("agent/kube.py", "agent/kube_budget.py", "agent/kube_policy.py")
@@ -147,9 +147,7 @@ class Fleet:
         self.report()
 
     def _state(self) -> HealthState:
-        state = HealthState("fleet", HealthSettings(1, 1), clock=self.clock, monotonic=self.clock)
-        configure(state, PROBES)
-        return state
+        return health_state("fleet", self.clock, PROBES)
 
     def report(self) -> None:
         """A probe run on every node: results stay fresh."""
@@ -204,16 +202,66 @@ class Simulation:
             agent._attempt()
 
     def advance(self, seconds: float) -> None:
-        end = self.clock.now + seconds
-        while self.clock.now < end:
-            list(self.pool.map(self._step, self.agents))
-            self.clock.advance(TICK)
-            if int(self.clock.now) % 30 < TICK:
-                self.fleet.report()
+        simulate(self.clock, self.pool, self._step, self.agents, self.fleet.report, seconds)
 
     def close(self) -> None:
         self.pool.shutdown()
         self.double.stop()
+
+
+def simulate(
+    clock: Clock,
+    pool: ThreadPoolExecutor,
+    step: Callable[[Any], None],
+    agents: list[Any],
+    report: Callable[[], None],
+    seconds: float,
+) -> None:
+    """`seconds` of simulated time: every agent steps once per TICK (on the pool's threads), the probes report
+    every 30 s."""
+    end = clock.now + seconds
+    while clock.now < end:
+        list(pool.map(step, agents))
+        clock.advance(TICK)
+        if int(clock.now) % 30 < TICK:
+            report()
+
+
+def traffic(window: list[Request], sent: int, node_minutes: float) -> dict[str, Any]:
+    """What the incident cost the API: requests and bytes, in all, per node-minute and by kind."""
+    return {
+        "requests": len(window),
+        "bytes": sent,
+        "requests_per_node_minute": len(window) / node_minutes,
+        "bytes_per_node_minute": sent / node_minutes,
+        "requests_by_kind": dict(sorted(Counter(kind(r) for r in window).items())),
+        "conflicts": sum(1 for r in window if r.status == 409),
+    }
+
+
+def print_run(row: dict[str, Any], node_minutes: float, outcome: str) -> None:
+    """One algorithm's line (its cost and `outcome`), then its requests by kind."""
+    print(
+        f"{row['algorithm']:8}  {row['requests_per_node_minute']:8.3f} requests/node-minute  "
+        f"{row['bytes_per_node_minute'] / 1024:10.2f} KiB/node-minute  {outcome}  ({row['wall_seconds']} s)"
+    )
+    for name, count in row["requests_by_kind"].items():
+        print(f"          {name:48} {count / node_minutes:10.4f} per node-minute")
+
+
+def finish(results: dict[str, dict[str, Any]], output: str, invariant: str, most: str, unit: str, left: str) -> int:
+    """Writes the results; prints per algorithm whether the `most` it ever had stayed within its budget, and which
+    left something after recovery (a row's `*_after_recovery`: `left` says what). The exit status: 1 if either."""
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(results, indent=2))
+    broken = [r for r in results.values() if r[most] > r["budget"]]
+    leftovers = [r for r in results.values() if any(v for k, v in r.items() if k.endswith("_after_recovery"))]
+    for row in results.values():
+        verdict = "OK" if row[most] <= row["budget"] else "BROKEN"
+        print(f"{invariant} ({row['algorithm']}): {row[most]} <= {row['budget']} {unit}: {verdict}")
+    if leftovers:
+        print(f"{left} left after recovery: {[r['algorithm'] for r in leftovers]}")
+    return 1 if broken or leftovers else 0
 
 
 def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, Any]:
@@ -238,12 +286,7 @@ def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, A
             "nodes": nodes,
             "minutes": minutes,
             "budget": sim.limit,
-            "requests": len(window),
-            "bytes": sent,
-            "requests_per_node_minute": len(window) / node_minutes,
-            "bytes_per_node_minute": sent / node_minutes,
-            "requests_by_kind": dict(sorted(Counter(kind(r) for r in window).items())),
-            "conflicts": sum(1 for r in window if r.status == 409),
+            **traffic(window, sent, node_minutes),
             "most_tainted": sim.watch.most,
             "tainted_at_end_of_incident": tainted_at_end,
             "tainted_after_recovery": len(sim.watch.tainted),
@@ -305,28 +348,13 @@ def main() -> int:
             continue
         results[algorithm] = run(algorithm, args.nodes, args.minutes, args.workers)
         row = results[algorithm]
-        print(
-            f"{algorithm:8}  {row['requests_per_node_minute']:8.2f} requests/node-minute  "
-            f"{row['bytes_per_node_minute'] / 1024:10.1f} KiB/node-minute  most tainted {row['most_tainted']} "
-            f"of {row['budget']}  ({row['wall_seconds']} s)"
-        )
-        for name, count in row["requests_by_kind"].items():
-            print(f"          {name:32} {count / (args.nodes * args.minutes):10.3f} per node-minute")
+        print_run(row, args.nodes * args.minutes, f"most tainted {row['most_tainted']} of {row['budget']}")
     if len(results) == 2:
         old, new = results["baseline"], results["new"]
         print(
             f"new/baseline: requests x{new['requests'] / old['requests']:.3f}, bytes x{new['bytes'] / old['bytes']:.4f}"
         )
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(results, indent=2))
-    broken = [r for r in results.values() if r["most_tainted"] > r["budget"]]
-    leftovers = [r for r in results.values() if r["tainted_after_recovery"] or r["slots_after_recovery"]]
-    for row in results.values():
-        verdict = "OK" if row["most_tainted"] <= row["budget"] else "BROKEN"
-        print(f"budget invariant ({row['algorithm']}): {row['most_tainted']} <= {row['budget']} tainted: {verdict}")
-    if leftovers:
-        print(f"taints or slots left after recovery: {[r['algorithm'] for r in leftovers]}")
-    return 1 if broken or leftovers else 0
+    return finish(results, args.output, "budget invariant", "most_tainted", "tainted", "taints or slots")
 
 
 if __name__ == "__main__":

@@ -18,17 +18,15 @@ import argparse
 import json
 import random
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import kubernetes.client
-from fleet_budget import REPO, TICK, add_nodes, kind
+from fleet_budget import REPO, add_nodes, finish, print_run, simulate, traffic
 from support.kube_double import ApiDouble
 from support.kube_dra import add_resource_slice
-from support.kube_helpers import Clock, configure
+from support.kube_helpers import Clock, health_state
 
 from agent.config import parse_config
 from agent.kube import KubeAgent
@@ -70,9 +68,7 @@ class ChipFleet:
         self.report()
 
     def _state(self) -> HealthState:
-        state = HealthState("fleet", fail_threshold=1, recovery_threshold=1, clock=self.clock, monotonic=self.clock)
-        configure(state, PROBES)
-        return state
+        return health_state("fleet", self.clock, PROBES)
 
     def report(self) -> None:
         self.healthy_state.record("npu", chip_findings(Status.OK))
@@ -135,12 +131,7 @@ def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, A
     pool = ThreadPoolExecutor(max_workers=workers)
 
     def advance(seconds: float) -> None:
-        end = clock.now + seconds
-        while clock.now < end:
-            list(pool.map(lambda agent: agent.step(), agents))
-            clock.advance(TICK)
-            if int(clock.now) % 30 < TICK:
-                fleet.report()
+        simulate(clock, pool, lambda agent: agent.step(), agents, fleet.report, seconds)
 
     try:
         started = time.monotonic()
@@ -160,13 +151,8 @@ def run(algorithm: str, nodes: int, minutes: float, workers: int) -> dict[str, A
             "devices": nodes * CHIPS,
             "minutes": minutes,
             "budget": -(-nodes * CHIPS // 10) if algorithm == "new" else nodes * CHIPS,
-            "requests": len(window),
-            "bytes": sent,
-            "requests_per_node_minute": len(window) / node_minutes,
-            "bytes_per_node_minute": sent / node_minutes,
-            "requests_by_kind": dict(sorted(Counter(kind(r) for r in window).items())),
+            **traffic(window, sent, node_minutes),
             "writes": sum(1 for r in window if r.method != "GET"),
-            "conflicts": sum(1 for r in window if r.status == 409),
             "most_rules": watch.most,
             "rules_at_end_of_incident": at_end,
             "rules_after_recovery": len(double.device_taint_rules()),
@@ -185,24 +171,10 @@ def main_devices(args: argparse.Namespace) -> int:
         if args.only and algorithm != args.only:
             continue
         row = results[algorithm] = run(algorithm, args.nodes, args.minutes, args.workers)
-        print(
-            f"{algorithm:8}  {row['requests_per_node_minute']:8.3f} requests/node-minute  "
-            f"{row['bytes_per_node_minute'] / 1024:8.2f} KiB/node-minute  most rules {row['most_rules']} "
-            f"of {row['devices']} chips (budget {row['budget']})  ({row['wall_seconds']} s)"
-        )
-        for name, count in row["requests_by_kind"].items():
-            print(f"          {name:48} {count / (args.nodes * args.minutes):10.4f} per node-minute")
+        outcome = f"most rules {row['most_rules']} of {row['devices']} chips (budget {row['budget']})"
+        print_run(row, args.nodes * args.minutes, outcome)
     if len(results) == 2:
         old, new = results["baseline"], results["new"]
         ratios = {key: new[key] / max(1, old[key]) for key in ("requests", "bytes", "writes", "most_rules")}
         print("new/baseline: " + ", ".join(f"{key} x{value:.3f}" for key, value in ratios.items()))
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(output).write_text(json.dumps(results, indent=2))
-    broken = [r for r in results.values() if r["most_rules"] > r["budget"]]
-    left = [r for r in results.values() if r["rules_after_recovery"] or r["slots_after_recovery"]]
-    for row in results.values():
-        verdict = "OK" if row["most_rules"] <= row["budget"] else "BROKEN"
-        print(f"device budget invariant ({row['algorithm']}): {row['most_rules']} <= {row['budget']} rules: {verdict}")
-    if left:
-        print(f"rules or device slots left after recovery: {[r['algorithm'] for r in left]}")
-    return 1 if broken or left else 0
+    return finish(results, output, "device budget invariant", "most_rules", "rules", "rules or device slots")

@@ -53,6 +53,8 @@ from scan_quota import millicores
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests"), str(REPO)]
 
+from support.processes import stop  # noqa: E402
+
 FLOOR = "import prometheus_client, pydantic, yaml, psutil, time; print('ready', flush=True); time.sleep(86400)"
 FLOOR_KUBE = FLOOR.replace("psutil,", "psutil, kubernetes,")
 PROFILES = ("baseline", "baseline-kube", "default", "a3-kube", "a3-kube-no-ledger", "a3-kube-busy", "a3-kube-short")
@@ -126,12 +128,7 @@ def started(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
 
 
 def floor_profile(code: str, seconds: float) -> dict[str, Any]:

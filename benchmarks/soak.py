@@ -37,8 +37,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO)]
 
-from support.fake_node import FakeNode, free_port  # noqa: E402
+from support.fake_node import FakeNode  # noqa: E402
 from support.netservers import SntpTestServer  # noqa: E402
+from support.processes import free_port  # noqa: E402
 from support.system import FIXTURES  # noqa: E402
 
 MIB = 1024 * 1024

@@ -8,7 +8,11 @@ What goes, and why it may (docs/image.md, Slimming):
   synchronous client through its ApiClient (agent/kube/client.py);
 - the source of the client's generated API and model modules (~55 MB), kept as bytecode beside where it was, so
   the same imports work;
-- pip and setuptools, not needed at run time.
+- pip and setuptools, not needed at run time;
+- the `tzdata` wheel (python-dateutil's fallback time zone database): the image has Debian's /usr/share/zoneinfo,
+  and the agent only ever formats UTC;
+- the test suites some packages ship inside their import package (`regex/tests`, `websocket/tests`...), which
+  nothing imports.
 
 The layout of the `kubernetes` package is the client's own and may change in any release, so pyproject.toml pins
 the range this was proven against (`kubernetes>=37,<38`), and tests/deploy/test_slimming.py proves it again on the
@@ -72,6 +76,16 @@ def slim_kubernetes(package: Path) -> list[str]:
     return done
 
 
+def remove_bundled_tests(site_packages: Path) -> list[str]:
+    """Remove `<package>/tests` directories of the installed packages (the agent's own packages have none)."""
+    done = []
+    for tests in sorted(site_packages.glob("*/tests")):
+        if tests.is_dir() and (tests.parent / "__init__.py").is_file():
+            shutil.rmtree(tests)
+            done.append(f"removed {tests}")
+    return done
+
+
 def pip_uninstall(*names: str) -> None:
     subprocess.run(
         [sys.executable, "-m", "pip", "uninstall", "--yes", "--quiet", "--disable-pip-version-check", *names],
@@ -93,7 +107,9 @@ def main() -> int:
     print(f"kubernetes at {package}")
     for line in slim_kubernetes(package):
         print(line)
-    pip_uninstall(*AIOHTTP_STACK)
+    pip_uninstall(*AIOHTTP_STACK, "tzdata")
+    for line in remove_bundled_tests(package.parent):
+        print(line)
     import_check()
     pip_uninstall("pip", "setuptools")
     return 0

@@ -19,49 +19,22 @@ the same write as the taint) and GETs the few slot holders that list lacks, so s
 or no longer tainted (an agent that died) come back. Nodes tainted without a slot (a ConfigMap deleted by
 hand) are adopted as holders by either.
 
-Records are other agents' words, judged here: their timestamps are other nodes' wall clocks, so a record is as
-old as this agent's clock says (`record_age`), and one from the future (a clock running ahead) is stale, never
-fresh for a year; a value that is not a finite, non-negative number in range is garbage (`Fleet.validated`): the
-record counts as absent, so the nodes are counted again (logged once per garbage record), which never lifts
-the budget (no taint beyond the limit) and never stalls it beyond that one recount.
+The ConfigMap mechanism (reads, metadata peeks, compare-and-swap, the fleet record and how its records are
+judged: from the future, stale; garbage, counted again) is the device budget's too: agent.kube.slots.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import math
-from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from agent.config import KubernetesConfig
-from agent.kube.client import BudgetConflict, KubeApi, is_status
+from agent.kube.client import is_status
 from agent.kube.policy import BLOCKING_EFFECTS, tainted_label_key
-
-log = logging.getLogger("agent.kube")
+from agent.kube.slots import Fleet, SlotBudget, SlotSettings, record_age, stamp
 
 LABELS = {"app.kubernetes.io/name": "node-health", "app.kubernetes.io/component": "taint-budget"}
-# A record stamped this far ahead of this agent's clock is taken as written now (ordinary skew between nodes);
-# further ahead, it is stale.
-FUTURE_TOLERANCE_SECONDS = 5.0
-# Far beyond any cluster Kubernetes supports (5,000 nodes; the largest managed ones 65,000): more is garbage.
-MAX_FLEET_NODES = 1_000_000
-
-
-def record_age(stamp: float, now: float) -> float:
-    """How old a record stamped `stamp` (another agent's wall clock) is to this agent, whose clock says `now`.
-    From the future beyond the tolerance it is infinitely old: a node whose clock runs ahead must not freeze
-    the fleet's recounts and verifications, nor keep a dead node's slot young, until its clock is reached."""
-    if stamp > now + FUTURE_TOLERANCE_SECONDS:
-        return math.inf
-    return max(0.0, now - stamp)
-
-
-def _finite(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} is {value!r}, not a finite number >= 0")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -75,80 +48,10 @@ class BudgetResult:
 
 
 @dataclass(frozen=True)
-class BudgetSettings:
-    max_unhealthy: str
-    selector: str
-    grace_seconds: float
-    recount_seconds: float
-    lease_seconds: float
-    prefix: str
-
+class BudgetSettings(SlotSettings):
     @classmethod
     def from_policy(cls, policy: KubernetesConfig) -> BudgetSettings:
-        return cls(
-            policy.max_unhealthy,
-            policy.budget_node_selector,
-            policy.budget_grace_seconds,
-            policy.budget_recount_seconds,
-            max(30.0, 3 * policy.request_timeout_seconds),
-            policy.key_prefix,
-        )
-
-    @property
-    def percentage(self) -> bool:
-        return self.max_unhealthy.strip().endswith("%")
-
-
-def budget_limit(max_unhealthy: str, nodes: int) -> int:
-    """A count, or a percentage of nodes rounded up (10% of 5 nodes is 1, as for a DaemonSet's maxUnavailable)."""
-    text = max_unhealthy.strip()
-    if text.endswith("%"):
-        return math.ceil(nodes * float(text[:-1]) / 100.0 - 1e-9)
-    return int(float(text))
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """What the `<prefix>/fleet` annotation records."""
-
-    nodes: int | None = None
-    selector: str = ""
-    counted_at: float = 0.0
-    verified_at: float = 0.0
-    recount_by: str = ""
-    recount_at: float = 0.0
-
-    @classmethod
-    def validated(cls, raw: str | None) -> Fleet:
-        """The record with every value checked; ValueError says what is garbage. (json.loads takes NaN,
-        Infinity and 1e999, which is infinite, as numbers.)"""
-        try:
-            data = json.loads(raw or "{}")
-        except (ValueError, RecursionError) as exc:
-            raise ValueError(f"not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        nodes = data.get("nodes")
-        if nodes is not None:
-            count = _finite(nodes, "nodes")
-            if count != int(count) or count > MAX_FLEET_NODES:
-                raise ValueError(f"nodes is {nodes!r}, not a node count")
-            nodes = int(count)
-        selector, recount_by = data.get("selector", ""), data.get("recount_by", "")
-        if not isinstance(selector, str) or not isinstance(recount_by, str):
-            raise ValueError("selector and recount_by must be strings")
-        stamps = [_finite(data.get(key, 0.0), key) for key in ("counted_at", "verified_at", "recount_at")]
-        return cls(nodes, selector, stamps[0], stamps[1], recount_by, stamps[2])
-
-    @classmethod
-    def parse(cls, raw: str | None) -> Fleet:
-        try:
-            return cls.validated(raw)
-        except ValueError:
-            return cls()  # garbage: counted again
-
-    def dump(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+        return cls(*cls.shared(policy, policy.max_unhealthy))
 
 
 @dataclass(frozen=True)
@@ -163,17 +66,10 @@ class Census:
     selector: str = ""  # full: the selector it counted with
 
 
-@dataclass
-class _Read:
-    slots: dict[str, str]
-    fleet: Fleet
-    version: str | None
-
-
 def _acquired_at(raw: str) -> float:
     """When the slot was taken; 0 (long ago: prunable once its node is not tainted) when that is garbage."""
     try:
-        return _finite(json.loads(raw).get("acquired_at", 0.0), "acquired_at")
+        return stamp(json.loads(raw).get("acquired_at", 0.0))
     except (ValueError, AttributeError, TypeError, RecursionError):
         return 0.0
 
@@ -213,93 +109,26 @@ def apply_census(
     return kept, replace(fleet, verified_at=census.at)
 
 
-class TaintBudget:
-    def __init__(
-        self,
-        api: KubeApi,
-        node: str,
-        namespace: str,
-        name: str,
-        prefix: str,
-        clock: Callable[[], float],
-        on_write: Callable[[str], None],
-    ) -> None:
-        self._api = api
-        self.node = node
-        self.namespace = namespace
-        self.name = name
-        self._fleet_key, self._slots_key = f"{prefix}/fleet", f"{prefix}/slots"
-        self._clock = clock
-        self._on_write = on_write
-        self.attempts = 10
-        self._garbage_seen: str | None = None  # the garbage fleet record last logged
+class TaintBudget(SlotBudget[str]):
+    """The node taint budget: a slot is the raw JSON of `_slot`, kept as written (one per node)."""
 
-    # --- the ConfigMap -------------------------------------------------------------------------
+    LABELS: ClassVar[dict[str, str]] = LABELS
+    SLOTS_KEY, FLEET_KEY, KIND = "slots", "fleet", "taint budget"
 
-    def _read(self) -> _Read:
-        body = self._api.get_configmap(self.namespace, self.name)
-        if body is None:
-            return _Read({}, Fleet(), None)
-        fleet = self._fleet((body["metadata"].get("annotations") or {}).get(self._fleet_key))
-        return _Read(dict(body.get("data") or {}), fleet, body["metadata"]["resourceVersion"])
+    def _decode(self, raw: str) -> str:
+        return raw
 
-    def _fleet(self, raw: str | None) -> Fleet:
-        """The fleet record, or none (so the nodes are counted again) when it is garbage; logged once."""
-        try:
-            return Fleet.validated(raw)
-        except ValueError as exc:
-            if raw != self._garbage_seen:
-                self._garbage_seen = raw
-                log.warning(
-                    "kubernetes: taint budget %s/%s: fleet record is garbage (%s); counting the nodes again",
-                    self.namespace,
-                    self.name,
-                    exc,
-                )
-            return Fleet()
+    def _encode(self, slot: str) -> str:
+        return slot
+
+    def _size(self, slot: str) -> int:
+        return 1
 
     def peek(self, settings: BudgetSettings) -> BudgetResult | None:
         """A refusal read from the ConfigMap's metadata alone, when that is all there is to say: the slots are
         taken and no count or verification is due. None: read the slots (acquire)."""
-        metadata = self._api.get_configmap_metadata(self.namespace, self.name)
-        if metadata is None:
-            return None
-        annotations = metadata.get("annotations") or {}
-        fleet = self._fleet(annotations.get(self._fleet_key))
-        try:
-            used = int(annotations.get(self._slots_key, ""))
-        except ValueError:
-            return None
-        now = self._clock()
-        limit = self._limit(fleet, settings)
-        if self._count_due(fleet, settings, now) or used < limit or self._verify_due(fleet, settings, now):
-            return None
-        return BudgetResult(False, used, limit, fleet.nodes or 0)
-
-    def _write(self, slots: dict[str, str], fleet: Fleet, version: str | None, what: str) -> str | None:
-        """Compare-and-swap: the new resourceVersion, or None when somebody else wrote first."""
-        annotations = {self._slots_key: str(len(slots))}
-        if fleet != Fleet():
-            annotations[self._fleet_key] = fleet.dump()
-        metadata: dict[str, Any] = {
-            "name": self.name,
-            "namespace": self.namespace,
-            "labels": LABELS,
-            "annotations": annotations,
-        }
-        body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": dict(sorted(slots.items()))}
-        try:
-            if version is None:
-                answer = self._api.create_configmap(self.namespace, body)
-            else:
-                metadata["resourceVersion"] = version
-                answer = self._api.replace_configmap(self.namespace, self.name, body)
-        except Exception as exc:
-            if is_status(exc, 409):
-                return None
-            raise
-        self._on_write(what)
-        return str(answer.get("metadata", {}).get("resourceVersion") or "")
+        refused = self._refusal(settings)
+        return None if refused is None else BudgetResult(False, *refused)
 
     # --- lists ---------------------------------------------------------------------------------
 
@@ -328,17 +157,6 @@ class TaintBudget:
                 cleared.add(node)
         return Census(now, False, frozenset(), tainted, frozenset(cleared))
 
-    def _count_due(self, fleet: Fleet, settings: BudgetSettings, now: float) -> bool:
-        stale = record_age(fleet.counted_at, now) > settings.recount_seconds
-        return fleet.nodes is None or fleet.selector != settings.selector or stale
-
-    def _verify_due(self, fleet: Fleet, settings: BudgetSettings, now: float) -> bool:
-        return record_age(fleet.verified_at, now) > settings.grace_seconds
-
-    def _lease_free(self, fleet: Fleet, settings: BudgetSettings, now: float) -> bool:
-        expired = record_age(fleet.recount_at, now) > settings.lease_seconds
-        return not fleet.recount_by or fleet.recount_by == self.node or expired
-
     # --- operations ----------------------------------------------------------------------------
 
     def acquire(
@@ -359,12 +177,10 @@ class TaintBudget:
                 return BudgetResult(True, len(state.slots), self._limit(state.fleet, settings), state.fleet.nodes or 0)
             if count is None and self._count_due(state.fleet, settings, now):
                 if self._lease_free(state.fleet, settings, now):
-                    lease = replace(state.fleet, recount_by=self.node, recount_at=now)
-                    version = self._write(state.slots, lease, state.version, "counting the nodes")
-                    if version is None:
+                    leased = self._lease(state, now, "counting the nodes")
+                    if leased is None:
                         continue
-                    state = _Read(state.slots, lease, version)
-                    count = self._count(settings)
+                    state, count = leased, self._count(settings)
                 elif state.fleet.nodes is None and settings.percentage and not already_tainted:
                     return BudgetResult(False, len(state.slots), 0, 0, counting=True)
             slots, fleet = dict(state.slots), state.fleet
@@ -384,33 +200,11 @@ class TaintBudget:
             what = f"took a slot ({len(slots)} of {limit}) for {taints}" if not spent else "verified the holders"
             if self._write(slots, fleet, state.version, what) is not None:
                 return BudgetResult(not spent, len(slots), limit, fleet.nodes or 0, wrote=True)
-        raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
-
-    def _limit(self, fleet: Fleet, settings: BudgetSettings) -> int:
-        return budget_limit(settings.max_unhealthy, fleet.nodes or 0)
+        raise self._lost()
 
     def release(self) -> bool:
         """Give the slot back; True when a write happened."""
         return bool(self.release_nodes([self.node], "released this node's slot"))
-
-    def release_nodes(self, nodes: Collection[str] | None, what: str = "") -> list[str]:
-        """Remove these nodes' slots (None: every slot and the fleet record); the nodes released."""
-        for _ in range(self.attempts):
-            state = self._read()
-            if state.version is None:
-                return []
-            gone = sorted(state.slots if nodes is None else set(nodes) & set(state.slots))
-            if not gone and (nodes is not None or state.fleet == Fleet()):
-                return []
-            slots = {n: raw for n, raw in state.slots.items() if n not in gone}
-            fleet = Fleet() if nodes is None else state.fleet
-            if self._write(slots, fleet, state.version, what or f"released {len(gone)} slots") is not None:
-                return gone
-        raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
-
-    def holders(self) -> list[str]:
-        """The nodes holding a slot now (read-only)."""
-        return sorted(self._read().slots)
 
     def usage(self, settings: BudgetSettings) -> BudgetResult:
         """What acquire would answer, read-only (dry run): counts the nodes itself when no count is fresh."""

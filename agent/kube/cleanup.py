@@ -9,14 +9,13 @@ its taints back at its next heartbeat). Prints one line per node.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from agent.config import Config, KubernetesConfig
 from agent.kube.budget import TaintBudget
-from agent.kube.client import KubeApi, agent_namespace, is_status, load_api_client, short_error
+from agent.kube.client import KubeApi, agent_namespace, command_api, is_status, short_error
 from agent.kube.device_cleanup import clean_devices
 from agent.kube.plan import plan_cleanup
 
@@ -97,11 +96,7 @@ def _release(
     where = f"budget {namespace}/{policy.budget_configmap}"
     budget = TaintBudget(api, "", namespace, policy.budget_configmap, policy.key_prefix, clock, lambda what: None)
     try:
-        if dry_run:
-            held = budget.holders()
-            gone = sorted(held if nodes is None else set(held) & set(nodes))
-        else:
-            gone = budget.release_nodes(nodes, "node-health cleanup")
+        gone = budget.release_nodes(nodes, "node-health cleanup", dry_run)
     except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it
         out(f"{where}: slots not released: {short_error(exc)}")
         return False
@@ -112,12 +107,10 @@ def _release(
 
 def main_cleanup(config: Config, node: str | None, all_nodes: bool, dry_run: bool) -> int:
     """The CLI: --node NAME, --all-nodes, or (neither) this node."""
-    try:
-        client = load_api_client(config)
-    except Exception as exc:  # noqa: BLE001 - no kubeconfig, no service account: say so
-        print(f"node-health cleanup: cannot load Kubernetes credentials: {exc}", file=sys.stderr)
+    opened = command_api(config, "cleanup")
+    if opened is None:
         return EXIT_API_ERROR
-    api = KubeApi(lambda: client, config.kubernetes.request_timeout_seconds)
+    api, client = opened
     target = None if all_nodes else (node or config.resolved_node_name)
     try:
         return cleanup(api, config, target, dry_run, print)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -334,3 +335,14 @@ class KubeApi:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def command_api(config: Config, command: str) -> tuple[KubeApi, kubernetes.client.ApiClient] | None:
+    """The API of a command run by an operator (`node-health cleanup`, `node-health fleet`) and its client, which
+    the caller closes; None, said on stderr, when there are no credentials."""
+    try:
+        client = load_api_client(config)
+    except Exception as exc:  # noqa: BLE001 - no kubeconfig, no service account: say so
+        print(f"node-health {command}: cannot load Kubernetes credentials: {exc}", file=sys.stderr)
+        return None
+    return KubeApi(lambda: client, config.kubernetes.request_timeout_seconds), client

@@ -19,21 +19,24 @@ budget is spent, one agent per `budget_grace_seconds` verifies the holders again
 isolate: their labelled DeviceTaintRules and public-fault ConfigMaps (listed by label: O(isolated), not
 O(fleet)); a node's slots older than the grace period become what it isolates (none, for an agent that died),
 and devices isolated without a slot are adopted.
+
+The ConfigMap mechanism (reads, metadata peeks, compare-and-swap, the fleet record and how its records are judged:
+a record or slot from the future is stale, garbage is counted again) is the node taint budget's: agent.kube.slots.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import ClassVar
 
 from agent.config import KubernetesConfig
-from agent.kube.budget import Fleet, budget_limit
-from agent.kube.client import BudgetConflict, KubeApi, is_status
-from agent.kube.devices import own_rules_selector
+from agent.kube.client import KubeApi
+from agent.kube.dra import own_rules
 from agent.kube.publicfault import own_selector
+from agent.kube.slots import Fleet, SlotBudget, SlotSettings, SlotsRead, record_age, stamp
 
 LABELS = {"app.kubernetes.io/name": "node-health", "app.kubernetes.io/component": "device-budget"}
 
@@ -48,22 +51,12 @@ class DeviceGrant:
 
 
 @dataclass(frozen=True)
-class DeviceBudgetSettings:
-    max_unhealthy: str
-    node_selector: str
-    grace_seconds: float
-    recount_seconds: float
-    lease_seconds: float
-    prefix: str
+class DeviceBudgetSettings(SlotSettings):
     drivers: tuple[str, ...]
     resources: tuple[str, ...]
     slices_version: str | None  # None: the cluster has no DRA (capacity only)
     rules_version: str | None
     fault_namespace: str | None  # None: public faults are off
-
-    @property
-    def percentage(self) -> bool:
-        return self.max_unhealthy.strip().endswith("%")
 
     @classmethod
     def from_policy(
@@ -71,12 +64,7 @@ class DeviceBudgetSettings:
     ) -> DeviceBudgetSettings:
         pf = policy.mindcluster.public_fault
         return cls(
-            policy.max_unhealthy_devices,
-            policy.budget_node_selector,
-            policy.budget_grace_seconds,
-            policy.budget_recount_seconds,
-            max(30.0, 3 * policy.request_timeout_seconds),
-            policy.key_prefix,
+            *cls.shared(policy, policy.max_unhealthy_devices),
             tuple(policy.dra_drivers),
             tuple(policy.device_resources),
             slices_version,
@@ -85,29 +73,18 @@ class DeviceBudgetSettings:
         )
 
 
-@dataclass
-class _Read:
-    slots: dict[str, tuple[frozenset[str], float]]
-    fleet: Fleet
-    version: str | None
+Slot = tuple[frozenset[str], float]  # the devices a node holds slots for, and when it took them
+_Read = SlotsRead[Slot]
 
 
-def _parse_slot(raw: str) -> tuple[frozenset[str], float]:
-    try:
-        data = json.loads(raw)
-        return frozenset(str(d) for d in data.get("devices") or []), float(data.get("at", 0.0))
-    except (ValueError, TypeError, AttributeError):
-        return frozenset(), 0.0  # garbage: pruned at the next verification
-
-
-def _used(slots: dict[str, tuple[frozenset[str], float]]) -> int:
+def _used(slots: dict[str, Slot]) -> int:
     return sum(len(devices) for devices, _ in slots.values())
 
 
 def count_devices(api: KubeApi, settings: DeviceBudgetSettings) -> int:
     """The fleet's accelerators: per eligible node the larger of what its DRA slices publish and what its
     capacity advertises (a node served by the DRA driver does not also advertise them as extended resources)."""
-    nodes = api.list_nodes(settings.node_selector, from_cache=True)
+    nodes = api.list_nodes(settings.selector, from_cache=True)
     per_node: dict[str, int] = {}
     for node in nodes:
         capacity = (node.get("status") or {}).get("capacity") or {}
@@ -135,7 +112,7 @@ def census(api: KubeApi, settings: DeviceBudgetSettings) -> dict[str, frozenset[
     found: dict[str, set[str]] = {}
     node_key, device_key = f"{settings.prefix}/node", f"{settings.prefix}/device"
     if settings.rules_version is not None:
-        for rule in api.list_device_taint_rules(settings.rules_version, own_rules_selector(settings.prefix)):
+        for rule in own_rules(api, settings.rules_version, settings.prefix, None).values():
             metadata = rule.get("metadata") or {}
             node = (metadata.get("labels") or {}).get(node_key)
             device = (metadata.get("annotations") or {}).get(device_key)
@@ -151,13 +128,12 @@ def census(api: KubeApi, settings: DeviceBudgetSettings) -> dict[str, frozenset[
     return {node: frozenset(devices) for node, devices in found.items() if devices}
 
 
-def apply_census(
-    slots: dict[str, tuple[frozenset[str], float]], found: dict[str, frozenset[str]], grace: float, now: float
-) -> dict[str, tuple[frozenset[str], float]]:
-    """Slots older than the grace period become what their node isolates; isolations without a slot are adopted."""
-    out: dict[str, tuple[frozenset[str], float]] = {}
+def apply_census(slots: dict[str, Slot], found: dict[str, frozenset[str]], grace: float, now: float) -> dict[str, Slot]:
+    """Slots older than the grace period (or from the future) become what their node isolates; isolations without
+    a slot are adopted."""
+    out: dict[str, Slot] = {}
     for node, (devices, at) in slots.items():
-        if now - at <= grace:
+        if record_age(at, now) <= grace:
             out[node] = (devices | found.get(node, frozenset()), at)
         elif found.get(node):
             out[node] = (found[node], at)
@@ -167,93 +143,34 @@ def apply_census(
     return out
 
 
-class DeviceBudget:
-    def __init__(
-        self,
-        api: KubeApi,
-        node: str,
-        namespace: str,
-        name: str,
-        prefix: str,
-        clock: Callable[[], float],
-        on_write: Callable[[str], None],
-    ) -> None:
-        self._api = api
-        self.node = node
-        self.namespace = namespace
-        self.name = name
-        self._fleet_key, self._slots_key = f"{prefix}/device-fleet", f"{prefix}/device-slots"
-        self._clock = clock
-        self._on_write = on_write
-        self.attempts = 10
+class DeviceBudget(SlotBudget[Slot]):
+    """The device budget: a node's slot is the set of devices it holds slots for, one slot per device."""
 
-    def _read(self) -> _Read:
-        body = self._api.get_configmap(self.namespace, self.name)
-        if body is None:
-            return _Read({}, Fleet(), None)
-        fleet = Fleet.parse((body["metadata"].get("annotations") or {}).get(self._fleet_key))
-        slots = {node: _parse_slot(raw) for node, raw in (body.get("data") or {}).items()}
-        return _Read(slots, fleet, body["metadata"]["resourceVersion"])
+    LABELS: ClassVar[dict[str, str]] = LABELS
+    SLOTS_KEY, FLEET_KEY, KIND = "device-slots", "device-fleet", "device budget"
 
-    def _write(self, read: _Read, slots: dict[str, tuple[frozenset[str], float]], fleet: Fleet, what: str) -> bool:
-        """Compare-and-swap; False when somebody else wrote first."""
-        data = {
-            node: json.dumps({"devices": sorted(devices), "at": round(at, 3)}, sort_keys=True)
-            for node, (devices, at) in sorted(slots.items())
-            if devices
-        }
-        annotations = {self._slots_key: str(sum(len(d) for d, _ in slots.values()))}
-        if fleet != Fleet():
-            annotations[self._fleet_key] = fleet.dump()
-        metadata: dict[str, Any] = {
-            "name": self.name,
-            "namespace": self.namespace,
-            "labels": LABELS,
-            "annotations": annotations,
-        }
-        body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+    def _decode(self, raw: str) -> Slot:
         try:
-            if read.version is None:
-                self._api.create_configmap(self.namespace, body)
-            else:
-                metadata["resourceVersion"] = read.version
-                self._api.replace_configmap(self.namespace, self.name, body)
-        except Exception as exc:
-            if is_status(exc, 409):
-                return False
-            raise
-        self._on_write(what)
-        return True
+            data = json.loads(raw)
+            return frozenset(str(d) for d in data.get("devices") or []), stamp(data.get("at", 0.0))
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            return frozenset(), 0.0  # garbage: pruned at the next verification
+
+    def _encode(self, slot: Slot) -> str | None:
+        devices, at = slot
+        return json.dumps({"devices": sorted(devices), "at": round(at, 3)}, sort_keys=True) if devices else None
+
+    def _size(self, slot: Slot) -> int:
+        return len(slot[0])
 
     def peek(self, settings: DeviceBudgetSettings) -> DeviceGrant | None:
         """A refusal from the ConfigMap's metadata alone (slots taken, nothing due); None: ask for real."""
-        metadata = self._api.get_configmap_metadata(self.namespace, self.name)
-        if metadata is None:
-            return None
-        annotations = metadata.get("annotations") or {}
-        fleet = Fleet.parse(annotations.get(self._fleet_key))
-        try:
-            used = int(annotations.get(self._slots_key, ""))
-        except ValueError:
-            return None
-        now = self._clock()
-        limit = budget_limit(settings.max_unhealthy, fleet.nodes or 0)
-        due = self._count_due(fleet, settings, now) or now - fleet.verified_at > settings.grace_seconds
-        if due or used < limit:
-            return None
-        return DeviceGrant(frozenset(), used, limit, fleet.nodes or 0)
+        refused = self._refusal(settings)
+        return None if refused is None else DeviceGrant(frozenset(), *refused)
 
-    def _count_due(self, fleet: Fleet, settings: DeviceBudgetSettings, now: float) -> bool:
-        if not settings.percentage:
-            return False
-        return (
-            fleet.nodes is None
-            or fleet.selector != settings.node_selector
-            or now - fleet.counted_at > (settings.recount_seconds)
-        )
-
-    def _lease_free(self, fleet: Fleet, settings: DeviceBudgetSettings, now: float) -> bool:
-        return not fleet.recount_by or fleet.recount_by == self.node or now - fleet.recount_at > settings.lease_seconds
+    def _count_due(self, fleet: Fleet, settings: SlotSettings, now: float) -> bool:
+        """Only a percentage needs the fleet's devices counted."""
+        return settings.percentage and super()._count_due(fleet, settings, now)
 
     def acquire(
         self, settings: DeviceBudgetSettings, wanted: Collection[str], isolated: Collection[str]
@@ -268,23 +185,20 @@ class DeviceBudget:
             fleet = state.fleet
             if self._count_due(fleet, settings, now):
                 if self._lease_free(fleet, settings, now):
-                    lease = replace(fleet, recount_by=self.node, recount_at=now)
-                    if not self._write(state, state.slots, lease, "counting the devices"):
+                    leased = self._lease(state, now, "counting the devices")
+                    if leased is None:
                         continue
-                    state = self._read()
-                    count = count_devices(self._api, settings)
-                    fleet = replace(
-                        state.fleet, nodes=count, selector=settings.node_selector, counted_at=now, recount_by=""
-                    )
+                    state, count = leased, count_devices(self._api, settings)
+                    fleet = replace(state.fleet, nodes=count, selector=settings.selector, counted_at=now, recount_by="")
                 elif fleet.nodes is None and not set(isolated) & new:
                     return DeviceGrant(mine, _used(state.slots), 0, 0, counting=True)
             if not new and fleet == state.fleet:
-                limit = budget_limit(settings.max_unhealthy, fleet.nodes or 0)
+                limit = self._limit(fleet, settings)
                 return DeviceGrant(mine, _used(state.slots), limit, fleet.nodes or 0)
             grant = self._take(state, fleet, settings, now, mine, new, set(isolated))
             if grant is not None:
                 return grant
-        raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
+        raise self._lost()
 
     def _take(
         self,
@@ -298,10 +212,10 @@ class DeviceBudget:
     ) -> DeviceGrant | None:
         """One compare-and-swap of a request; None when it lost the race."""
         slots = dict(state.slots)
-        limit = budget_limit(settings.max_unhealthy, fleet.nodes or 0)
+        limit = self._limit(fleet, settings)
         adopted = new & isolated
         room = limit - _used(slots) - len(adopted)
-        if room < len(new - adopted) and now - fleet.verified_at > settings.grace_seconds:
+        if room < len(new - adopted) and self._verify_due(fleet, settings, now):
             slots = apply_census(slots, census(self._api, settings), settings.grace_seconds, now)
             fleet = replace(fleet, verified_at=now)
             mine = slots.get(self.node, (frozenset(), now))[0]
@@ -314,7 +228,7 @@ class DeviceBudget:
         if (slots, fleet) == (state.slots, state.fleet):
             return DeviceGrant(held, _used(slots), limit, fleet.nodes or 0)
         what = f"took {len(granted)} device slot(s) ({_used(slots)} of {limit})" if granted else "verified the holders"
-        if not self._write(state, slots, fleet, what):
+        if self._write(slots, fleet, state.version, what) is None:
             return None
         return DeviceGrant(held, _used(slots), limit, fleet.nodes or 0)
 
@@ -329,23 +243,10 @@ class DeviceBudget:
             slots = {**state.slots, self.node: (kept, at)}
             if not kept:
                 del slots[self.node]
-            if self._write(state, slots, state.fleet, f"released {len(mine - kept)} device slot(s)"):
+            what = f"released {len(mine - kept)} device slot(s)"
+            if self._write(slots, state.fleet, state.version, what) is not None:
                 return kept
-        raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
-
-    def release_nodes(self, nodes: Collection[str] | None, what: str) -> dict[str, int]:
-        """Cleanup: these nodes' slots (None: every slot and the fleet record); devices released per node."""
-        for _ in range(self.attempts):
-            state = self._read()
-            if state.version is None:
-                return {}
-            gone = {n: len(d) for n, (d, _) in state.slots.items() if nodes is None or n in nodes}
-            if not gone and (nodes is not None or state.fleet == Fleet()):
-                return {}
-            slots = {n: v for n, v in state.slots.items() if n not in gone}
-            if self._write(state, slots, Fleet() if nodes is None else state.fleet, what):
-                return gone
-        raise BudgetConflict(f"configmap {self.namespace}/{self.name}: {self.attempts} compare-and-swap attempts lost")
+        raise self._lost()
 
     def would_grant(
         self, settings: DeviceBudgetSettings, wanted: Collection[str], isolated: Collection[str]
@@ -357,14 +258,9 @@ class DeviceBudget:
         if self._count_due(fleet, settings, now):
             fleet = replace(fleet, nodes=count_devices(self._api, settings))
         mine = state.slots.get(self.node, (frozenset(), now))[0]
-        limit = budget_limit(settings.max_unhealthy, fleet.nodes or 0)
+        limit = self._limit(fleet, settings)
         new = set(wanted) - mine
         adopted = new & set(isolated)
         room = limit - _used(state.slots) - len(adopted)
         held = frozenset(mine | adopted | set(sorted(new - adopted)[: max(0, room)]))
         return DeviceGrant(held, _used(state.slots) + len(held - mine), limit, fleet.nodes or 0)
-
-    def usage(self) -> tuple[dict[str, frozenset[str]], Fleet]:
-        """The slots per node and the fleet record (read-only: the fleet view, dry runs)."""
-        state = self._read()
-        return {node: devices for node, (devices, _) in state.slots.items()}, state.fleet

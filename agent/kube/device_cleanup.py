@@ -14,9 +14,9 @@ from collections.abc import Callable
 from agent.config import Config
 from agent.kube.client import KubeApi, agent_namespace, short_error
 from agent.kube.device_budget import DeviceBudget
-from agent.kube.devices import is_own_rule, node_label_value, own_rules_selector
-from agent.kube.dra import discover
-from agent.kube.publicfault import own_selector, parse_faults, recover_all
+from agent.kube.devices import node_label_value
+from agent.kube.dra import discover, own_rules
+from agent.kube.publicfault import occurring_count, own_selector, recover_all
 
 
 def _rules(api: KubeApi, prefix: str, label: str | None, dry_run: bool, out: Callable[[str], None], now: float) -> bool:
@@ -24,14 +24,12 @@ def _rules(api: KubeApi, prefix: str, label: str | None, dry_run: bool, out: Cal
         version = discover(api, now).rules
         if version is None:
             return True
-        items = api.list_device_taint_rules(version, own_rules_selector(prefix, label))
+        mine = own_rules(api, version, prefix, label)
     except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it
         out(f"devicetaintrules: not read: {short_error(exc)}")
         return False
-    mine = sorted((r for r in items if is_own_rule(r, prefix, label)), key=lambda r: r["metadata"]["name"])
     removed, ok = [], True
-    for rule in mine:
-        name = rule["metadata"]["name"]
+    for name, rule in sorted(mine.items()):
         if dry_run:
             removed.append(name)
             continue
@@ -69,7 +67,7 @@ def _faults(
         where = f"public faults {settings.namespace}/{configmap['metadata']['name']}"
         try:
             if dry_run:
-                count = sum(1 for f in parse_faults(configmap) if f["assertion"] == "occur")
+                count = occurring_count(configmap)
                 if count:
                     out(f"{where}: would recover {count} fault(s)")
                 continue
@@ -97,11 +95,7 @@ def _slots(
         api, "", namespace, policy.device_budget_configmap, policy.key_prefix, clock, lambda what: None
     )
     try:
-        if dry_run:
-            held = budget.usage()[0] if api.get_configmap(namespace, policy.device_budget_configmap) else {}
-            gone = {n: len(d) for n, d in held.items() if nodes is None or n in nodes}
-        else:
-            gone = budget.release_nodes(nodes, "node-health cleanup")
+        gone = budget.release_nodes(nodes, "node-health cleanup", dry_run)
     except Exception as exc:  # noqa: BLE001
         out(f"{where}: slots not released: {short_error(exc)}")
         return False

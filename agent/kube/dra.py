@@ -55,8 +55,9 @@ def discover(api: KubeApi, now: float) -> Discovery:
     return Discovery(rules, slices, now)
 
 
-def own_rules(api: KubeApi, version: str, prefix: str, node_label: str) -> dict[str, dict[str, Any]]:
-    """The agent's rules of this node, by name (the label selector, then the labels checked again)."""
+def own_rules(api: KubeApi, version: str, prefix: str, node_label: str | None) -> dict[str, dict[str, Any]]:
+    """The agents' rules of this node (node_label None: of every node), by name: the label selector, then the
+    labels checked again."""
     items = api.list_device_taint_rules(version, own_rules_selector(prefix, node_label))
     return {r["metadata"]["name"]: r for r in items if is_own_rule(r, prefix, node_label)}
 

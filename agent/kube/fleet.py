@@ -21,12 +21,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.config import Config, KubernetesConfig
-from agent.kube.budget import Fleet, budget_limit
-from agent.kube.client import KubeApi, agent_namespace, load_api_client, short_error
-from agent.kube.devices import is_own_rule, own_rules_selector
-from agent.kube.dra import discover
+from agent.kube.budget import TaintBudget
+from agent.kube.client import KubeApi, agent_namespace, command_api, short_error
+from agent.kube.device_budget import DeviceBudget
+from agent.kube.dra import discover, own_rules
 from agent.kube.policy import isolated_devices_key, ready_label_key, taint_key
-from agent.kube.publicfault import own_selector, parse_faults
+from agent.kube.publicfault import occurring_count, own_selector
+from agent.kube.slots import Fleet, budget_limit
 from probes.base import CATEGORIES
 from probes.storage.common import safe_text
 
@@ -144,9 +145,9 @@ class FleetView:
 def _budgets(api: KubeApi, policy: KubernetesConfig, notes: list[str]) -> list[Budget]:
     namespace = agent_namespace(policy)
     out = []
-    for name, of, setting, slots_key, fleet_key in (
-        (policy.budget_configmap, "nodes", policy.max_unhealthy, "slots", "fleet"),
-        (policy.device_budget_configmap, "devices", policy.max_unhealthy_devices, "device-slots", "device-fleet"),
+    for name, of, setting, kind in (
+        (policy.budget_configmap, "nodes", policy.max_unhealthy, TaintBudget),
+        (policy.device_budget_configmap, "devices", policy.max_unhealthy_devices, DeviceBudget),
     ):
         try:
             metadata = api.get_configmap_metadata(namespace, name)
@@ -155,9 +156,9 @@ def _budgets(api: KubeApi, policy: KubernetesConfig, notes: list[str]) -> list[B
             out.append(Budget(name, None, None, of, None, "not read"))
             continue
         annotations = (metadata or {}).get("annotations") or {}
-        fleet = Fleet.parse(annotations.get(f"{policy.key_prefix}/{fleet_key}"))
+        fleet = Fleet.parse(annotations.get(f"{policy.key_prefix}/{kind.FLEET_KEY}"))
         try:
-            used = int(annotations.get(f"{policy.key_prefix}/{slots_key}", "0"))
+            used = int(annotations.get(f"{policy.key_prefix}/{kind.SLOTS_KEY}", "0"))
         except ValueError:
             used = None
         percentage = setting.strip().endswith("%")
@@ -174,15 +175,14 @@ def _device_objects(api: KubeApi, config: Config, notes: list[str]) -> tuple[int
     try:
         version = discover(api, time.time()).rules
         if version is not None:
-            items = api.list_device_taint_rules(version, own_rules_selector(policy.key_prefix))
-            rules = sum(1 for r in items if is_own_rule(r, policy.key_prefix, None))
+            rules = len(own_rules(api, version, policy.key_prefix, None))
     except Exception as exc:  # noqa: BLE001
         notes.append(f"devicetaintrules: not read: {short_error(exc)}")
     settings = policy.mindcluster.public_fault
     if settings.enabled:
         try:
             found = api.list_configmaps(settings.namespace, own_selector(policy.key_prefix))
-            faults = sum(1 for c in found for f in parse_faults(c) if f["assertion"] == "occur")
+            faults = sum(occurring_count(c) for c in found)
         except Exception as exc:  # noqa: BLE001
             notes.append(f"public faults {settings.namespace}: not read: {short_error(exc)}")
     return rules, faults
@@ -242,12 +242,10 @@ def _budget_line(budget: Budget) -> str:
 
 
 def main_fleet(config: Config, selector: str, as_json: bool, out: Callable[[str], None] = print) -> int:
-    try:
-        client = load_api_client(config)
-    except Exception as exc:  # noqa: BLE001 - no kubeconfig, no service account: say so
-        print(f"node-health fleet: cannot load Kubernetes credentials: {exc}", file=sys.stderr)
+    opened = command_api(config, "fleet")
+    if opened is None:
         return EXIT_API_ERROR
-    api = KubeApi(lambda: client, config.kubernetes.request_timeout_seconds)
+    api, client = opened
     try:
         view = fleet_view(api, config, selector, time.time())
     except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it

@@ -17,6 +17,7 @@ counted in `nodehealth_kube_device_errors_total`, backs off on its own, and the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
@@ -97,6 +98,8 @@ class DeviceIsolator:
         self._faults: PublicFaults | None = None  # kept across reloads: faults turned off are still recovered
         self._backoff = Backoff(1.0, 300.0, rng)
         self._budget_backoff = Backoff(60.0, 300.0, rng)
+        self._budget_obj: DeviceBudget | None = None
+        self._budget_at: tuple[KubeApi, str, str, str] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -257,15 +260,13 @@ class DeviceIsolator:
         )
 
     def _budget(self, policy: KubernetesConfig) -> DeviceBudget:
-        return DeviceBudget(
-            self._api(),
-            self.node,
-            agent_namespace(policy),
-            policy.device_budget_configmap,
-            policy.key_prefix,
-            self._clock,
-            lambda what: self._hooks.wrote("device_budget", what),
-        )
+        """One per ConfigMap, as the reconciler keeps its node budget: it remembers the garbage it has logged."""
+        key = (self._api(), agent_namespace(policy), policy.device_budget_configmap, policy.key_prefix)
+        if self._budget_obj is None or self._budget_at != key:
+            api, namespace, name, prefix = self._budget_at = key
+            wrote = functools.partial(self._hooks.wrote, "device_budget")
+            self._budget_obj = DeviceBudget(api, self.node, namespace, name, prefix, self._clock, wrote)
+        return self._budget_obj
 
     def _budgeted(self, isolations: list[Isolation], policy: KubernetesConfig, now: float) -> list[Isolation]:
         fine = {i.device for i in isolations if i.fine}

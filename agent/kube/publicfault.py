@@ -222,13 +222,18 @@ class PublicFaults:
         }
 
 
+def occurring_count(configmap: Mapping[str, Any] | None) -> int:
+    """How many faults of a stored message still occur (cleanup's and the fleet view's count)."""
+    return sum(1 for f in parse_faults(configmap) if f["assertion"] == "occur")
+
+
 def recover_all(api: KubeApi, configmap: Mapping[str, Any], clock: Callable[[], float]) -> int:
     """Cleanup: every `occur` of one stored ConfigMap turned into a `recover` (the ConfigMap stays, so ClusterD
     sees the recovery); the number recovered. A 409 raises (the caller reports it)."""
-    faults = parse_faults(configmap)
-    occurring = [f for f in faults if f["assertion"] == "occur"]
-    if not occurring:
+    count = occurring_count(configmap)
+    if not count:
         return 0
+    faults = parse_faults(configmap)
     text = json.loads(configmap["data"][DATA_KEY])
     now_ms = int(clock() * 1000)
     text.update(
@@ -242,4 +247,4 @@ def recover_all(api: KubeApi, configmap: Mapping[str, Any], clock: Callable[[], 
     annotations = {k: v for k, v in (metadata.get("annotations") or {}).items() if not k.endswith("/isolated")}
     body = {**configmap, "metadata": {**metadata, "annotations": annotations}, "data": {DATA_KEY: json.dumps(text)}}
     api.replace_configmap(metadata["namespace"], metadata["name"], body)
-    return len(occurring)
+    return count

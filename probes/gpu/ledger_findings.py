@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import NOT_APPLICABLE, OBSERVED_ALLOCATED_TO, Finding, Status
+from probes.base import OBSERVED_ALLOCATED_TO, Finding, Status
 from probes.gpu.model import GpuState
-from probes.gpu.reasons import GPU_DEVICE_PLUGIN_UNHEALTHY, GPU_POD_RESOURCES_UNAVAILABLE, LEDGER
+from probes.gpu.reasons import GPU_DEVICE_PLUGIN_UNHEALTHY, LEDGER
+from probes.ledger import unread_ledger
 from probes.runtime.holders import Holder, matches_command
 from probes.runtime.podresources.client import LedgerRead
 from probes.runtime.podresources.compare import DeviceVerdict, Granted, judge
@@ -80,12 +81,10 @@ def ledger_verdict(
 
 def ledger_findings(view: GpuLedger, gpus: Sequence[GpuState], own: Sequence[Finding], status: str) -> list[Finding]:
     read = view.read
+    unread = unread_ledger(LEDGER, read)
+    if unread is not None or read.ledger is None:
+        return unread or []
     observed: dict[str, Any] = read.observed()
-    if read.state == "skip":
-        return [LEDGER.report(NOT_APPLICABLE, "", read.why, observed)]
-    if not read.ok or read.ledger is None:
-        message = f"device plugin ledger unknown: {read.why}; the holder checks stand without it"
-        return [LEDGER.report(GPU_POD_RESOURCES_UNAVAILABLE, "", message, observed)]
     observed.update(read.ledger.to_dict(NVIDIA_PREFIX), ids_naming_no_gpu=view.unmatched)
     allocated = sum(1 for grants in view.granted.values() if grants)
     offered = "no nvidia.com resource offered" if view.offered is None else f"{len(view.offered)} GPUs offered"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from probes.base import Check, Reason, Status
+from probes.ledger import POD_RESOURCES_UNAVAILABLE
 
 HEALTH = Check("gpu.health")
 THROTTLE = Check("gpu.throttle")
@@ -131,14 +132,6 @@ GPU_DEVICE_PLUGIN_UNHEALTHY = Reason(
     "(an XID it counts as fatal, a restart); if both find it unhealthy, drain the node and reset the GPU",
     also=(Status.FAIL,),
 )
-GPU_POD_RESOURCES_UNAVAILABLE = Reason(
-    "PodResourcesUnavailable",
-    Status.UNKNOWN,
-    "the kubelet's PodResources API did not answer within kubernetes.pod_resources_timeout_seconds, answered an "
-    "error (UNAVAILABLE, RESOURCE_EXHAUSTED) or sent what is not a ledger; the holder checks stand without it",
-    "check the kubelet (`systemctl status kubelet`), the socket kubernetes.pod_resources_socket and the DaemonSet's "
-    "pod-resources mount; the message names the error",
-)
 
 REASONS = (
     GPU_ECC_UNCORRECTABLE,
@@ -158,5 +151,5 @@ REASONS = (
     GPU_TOOL_MISSING,
     GPU_HELD_OUTSIDE_ALLOCATION,
     GPU_DEVICE_PLUGIN_UNHEALTHY,
-    GPU_POD_RESOURCES_UNAVAILABLE,
+    POD_RESOURCES_UNAVAILABLE,
 )

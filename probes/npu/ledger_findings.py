@@ -21,10 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import NOT_APPLICABLE, OBSERVED_ALLOCATED_TO, Finding, Status
+from probes.base import OBSERVED_ALLOCATED_TO, Finding, Status
+from probes.ledger import unread_ledger
 from probes.npu.findings import chip_subject
 from probes.npu.info_table import NpuChip
-from probes.npu.reasons import LEDGER, NPU_DEVICE_PLUGIN_UNHEALTHY, POD_RESOURCES_UNAVAILABLE
+from probes.npu.reasons import LEDGER, NPU_DEVICE_PLUGIN_UNHEALTHY
 from probes.runtime.holders import Holder, HolderScan, matches_command
 from probes.runtime.podresources.client import LedgerRead
 from probes.runtime.podresources.compare import DeviceVerdict, Granted, judge
@@ -147,12 +148,10 @@ def ledger_findings(
 ) -> list[Finding]:
     """npu.ledger: node-wide, then per chip when the ledger was read."""
     read = view.read
+    unread = unread_ledger(LEDGER, read)
+    if unread is not None or read.ledger is None:
+        return unread or []
     observed: dict[str, Any] = read.observed()
-    if read.state == "skip":
-        return [LEDGER.report(NOT_APPLICABLE, "", read.why, observed)]
-    if not read.ok or read.ledger is None:
-        message = f"device plugin ledger unknown: {read.why}; the holder checks stand without it"
-        return [LEDGER.report(POD_RESOURCES_UNAVAILABLE, "", message, observed)]
     observed.update(read.ledger.to_dict(ASCEND_PREFIX))
     observed["compared_with_holders"] = view.compare
     if view.why_not_compared:

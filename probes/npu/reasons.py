@@ -6,6 +6,7 @@ import re
 from collections.abc import Mapping
 
 from probes.base import Check, Reason, Status
+from probes.ledger import POD_RESOURCES_UNAVAILABLE
 
 SMI = Check("npu.smi")
 HEALTH = Check("npu.health")
@@ -140,14 +141,6 @@ NPU_DEVICE_PLUGIN_UNHEALTHY = Reason(
     "the plugin keeps jobs off the chip already: if the agent finds the chip healthy, read the device plugin's log "
     "(it lost the chip, or its health check disagrees); if both find it unhealthy, drain the node and reset the chip",
     also=(Status.FAIL,),
-)
-POD_RESOURCES_UNAVAILABLE = Reason(
-    "PodResourcesUnavailable",
-    Status.UNKNOWN,
-    "the kubelet's PodResources API did not answer within kubernetes.pod_resources_timeout_seconds, answered an "
-    "error (UNAVAILABLE, RESOURCE_EXHAUSTED) or sent what is not a ledger; the holder checks stand without it",
-    "check the kubelet (`systemctl status kubelet`), the socket kubernetes.pod_resources_socket and the DaemonSet's "
-    "pod-resources mount; the message names the error",
 )
 
 REASONS = (

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.cli import node_env
 from support.fake_node import REPO, FakeNode
 from support.system import FIXTURES, require_root, require_tool
 
@@ -115,8 +116,7 @@ class HostileNode(FakeNode):
                 self._pty_master = None
 
     def check(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env = node_env()
         command = [sys.executable, "-m", "agent.cli", "check", *args, "--config", str(self.config_path)]
         return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from support.processes import free_port, stop
 from support.system import REPO, require
 
 pytestmark = pytest.mark.system
@@ -28,12 +29,6 @@ PEERS, PER_PEER = 40, 64
 BURST = 256 * 1024  # what one connection sends before it stops, never reading
 RSS_LIMIT_MIB = 128
 MIB = 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def status_of(port: int, path: str, source: str) -> int:
@@ -69,7 +64,7 @@ def test_a_burst_of_pipelined_requests_on_every_connection_keeps_rss_under_128_m
     socks: list[socket.socket] = []
     samples: list[float] = []
     healthz: list[int] = []
-    stop = threading.Event()
+    finished = threading.Event()
     try:
         deadline = time.monotonic() + 60
         while status_of(port, "/healthz", "127.0.4.1") == 0:
@@ -79,12 +74,12 @@ def test_a_burst_of_pipelined_requests_on_every_connection_keeps_rss_under_128_m
         baseline = agent.memory_info().rss / MIB
 
         def sample() -> None:
-            while not stop.wait(0.1):
+            while not finished.wait(0.1):
                 with contextlib.suppress(psutil.Error):
                     samples.append(agent.memory_info().rss / MIB)
 
         def probe() -> None:
-            while not stop.wait(0.5):
+            while not finished.wait(0.5):
                 healthz.append(status_of(port, "/healthz", "127.0.4.2"))
 
         threads = [threading.Thread(target=sample, daemon=True), threading.Thread(target=probe, daemon=True)]
@@ -104,7 +99,7 @@ def test_a_burst_of_pipelined_requests_on_every_connection_keeps_rss_under_128_m
             with contextlib.suppress(OSError):
                 sock.send(burst)  # what fits: the rest stays in this process
         time.sleep(8.0)
-        stop.set()
+        finished.set()
         for thread in threads:
             thread.join(5)
         peak = max(samples)
@@ -113,16 +108,10 @@ def test_a_burst_of_pipelined_requests_on_every_connection_keeps_rss_under_128_m
         assert peak < RSS_LIMIT_MIB, f"RSS peaked at {peak:.1f} MiB (was {baseline:.1f} MiB)"
         assert healthz and all(code == 200 for code in healthz), healthz
     finally:
-        stop.set()
+        finished.set()
         for sock in socks:
             sock.close()
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop(proc)
 
 
 def test_the_sum_in_the_docs_fits_the_memory_limit() -> None:

@@ -10,7 +10,6 @@ groups are one per cluster and reason.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.processes import answers_200, free_port, serving
 from support.system import REPO, require_tool
 
 CONFIG = REPO / "deploy" / "prometheus" / "alertmanager.yaml"
@@ -49,44 +49,20 @@ def test_amtool_accepts_the_config_and_pages_only_for_the_fleet_alert() -> None:
     assert route["group_by"] == ["cluster", "reason"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[str]:
     binary = require_tool("prometheus-alertmanager")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={CONFIG}",
-            f"--storage.path={tmp_path}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "alertmanager.log").open("w"),
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert process.poll() is None, (tmp_path / "alertmanager.log").read_text()
-            assert time.monotonic() < deadline, "alertmanager did not become ready"
-            time.sleep(0.2)
+    argv = [
+        binary,
+        f"--config.file={CONFIG}",
+        f"--storage.path={tmp_path}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--cluster.listen-address=",
+    ]
+    with serving(argv, lambda: answers_200(f"{url}/-/ready"), tmp_path / "alertmanager.log", "alertmanager"):
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def alert(alertname: str, severity: str, **labels: str) -> dict[str, Any]:

@@ -18,13 +18,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
+from support.cli import check_json
 from support.netservers import DnsTestServer, ZoneResolver
 from support.system import REPO, require_root, require_tool
 
@@ -286,22 +286,6 @@ def for_this_machine(config: dict[str, Any], host_root: Path) -> dict[str, Any]:
     return adjusted
 
 
-def run_check(config: dict[str, Any], directory: Path) -> dict[str, Any]:
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # a node, not a pod
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check", "--config", str(path), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-    assert result.stdout.strip(), result.stderr
-    return dict(json.loads(result.stdout))
-
-
 @pytest.mark.system
 def test_shipped_config_is_ready_on_a_healthy_node(tmp_path: Path) -> None:
     """Nothing fails and nothing is unknown; a check that cannot apply here (no NPU, GPU, Huawei PCIe function,
@@ -315,7 +299,7 @@ def test_shipped_config_is_ready_on_a_healthy_node(tmp_path: Path) -> None:
     try:
         (host_root / "etc" / "resolv.conf").write_text(f"nameserver {dns.host}\n")
         config = for_this_machine(shipped_config(), host_root)
-        report = run_check(config, tmp_path)
+        report = check_json(config, tmp_path, timeout=180)
 
         explained = set()
         if kernel_clock_unsynchronised():
@@ -334,7 +318,7 @@ def test_shipped_config_is_ready_on_a_healthy_node(tmp_path: Path) -> None:
 
         # The same set-up catches the old shipped config: a cluster.local name on the node's resolver fails.
         config["network"]["dns"]["names"] = ["kubernetes.default.svc.cluster.local"]
-        old = run_check(config, tmp_path)
+        old = check_json(config, tmp_path, timeout=180)
         failed = [f for f in old["findings"] if f["check"] == "network.dns" and f["status"] == "fail"]
         assert [(f["subject"], f["reason"]) for f in failed] == [("kubernetes.default.svc.cluster.local", "DnsFailed")]
         assert "NXDOMAIN" in failed[0]["message"]

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support.podman import CACHE, build_volumes, ensure_base_image, image_exists, podman, ulimits
+from support.processes import free_port
 from support.system import REPO, require, require_root, require_tool
 
 from agent.version import __version__
@@ -238,12 +238,6 @@ def test_check_in_the_image_names_a_holder_outside_the_container(image: str, tmp
     ours = [h for h in held["observed"]["holders"] if h["pid"] == holder.pid]
     assert ours, f"PID {holder.pid} not among {held['observed']['holders']}"
     assert "davinci0" in json.dumps(ours[0]) and ours[0]["kind"] != "pod", ours[0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def image_probe_names(image: str) -> list[str]:

@@ -34,7 +34,8 @@ import pytest
 import tomllib
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from support.fake_node import FakeNode, free_port
+from support.fake_node import FakeNode
+from support.processes import free_port
 from support.system import REPO, require_fixtures, require_root, require_tool
 
 from agent.version import __version__

@@ -16,10 +16,8 @@ import datetime
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ import pytest
 import tomllib
 import yaml
 from support.podman import BASE_IMAGE, CACHE, build_volumes, ensure_base_image, podman, ulimits
+from support.processes import answers_200, free_port, serving
 from support.system import REPO, require, require_root, require_tool
 
 from agent.version import __version__
@@ -36,12 +35,6 @@ pytestmark = [pytest.mark.system, pytest.mark.timeout(3600)]
 
 ARM64_BASE = "localhost/node-health-base:bookworm-slim-arm64"
 PODMAN_OPTIONS = ["--runtime", "runc", "--cgroup-manager", "cgroupfs"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +49,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "http": {"addr": address},
     }
     (work / "config.yml").write_text(yaml.safe_dump(config))
-    process = subprocess.Popen(
-        [binary, "serve", str(work / "config.yml")], stdout=subprocess.DEVNULL, stderr=(work / "log").open("w")
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while subprocess.run(["curl", "-sf", f"http://{address}/v2/"], capture_output=True).returncode != 0:
-            assert process.poll() is None, (work / "log").read_text()
-            assert time.monotonic() < deadline, "the registry did not start"
-            time.sleep(0.2)
+    argv = [binary, "serve", str(work / "config.yml")]
+    with serving(argv, lambda: answers_200(f"http://{address}/v2/"), work / "log", "the registry"):
         yield address
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def git(checkout: Path, *args: str) -> str:

@@ -30,7 +30,7 @@ from support.kube_helpers import (
 )
 
 from agent.kube import KubeAgent
-from agent.kube.budget import budget_limit
+from agent.kube.slots import budget_limit
 from agent.state import HealthState
 
 PROBES = {"network": ("network.dns",)}

@@ -4,7 +4,6 @@ the budget, and says what it did; deploy/examples/cleanup-job.yaml runs it with 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from support.cli import node_env
 from support.kube_double import ApiDouble
 from support.kube_helpers import BUDGET_NS, budget_configmap, conditions, fleet_record, labels
 from support.system import REPO
@@ -115,6 +115,16 @@ def test_dry_run_changes_nothing(double: ApiDouble, cluster: Path, capsys: pytes
 
 
 @pytest.mark.system
+def test_a_dry_run_of_one_node_names_its_slot_only(
+    double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, lines, _ = run(capsys, "--node", "gpu-1", "--dry-run", "--config", str(cluster))
+    assert code == 0
+    assert lines[-1] == "budget node-health/node-health-budget: would release 1 slot(s) (gpu-1)"
+    assert double.writes == []
+
+
+@pytest.mark.system
 def test_one_node_and_its_slot_only(double: ApiDouble, cluster: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, lines, _ = run(capsys, "--node", "gpu-1", "--config", str(cluster))
     assert code == 0
@@ -180,8 +190,7 @@ def test_no_credentials_exit_1(
 
 @pytest.mark.system
 def test_the_command_line_entry_point(double: ApiDouble, cluster: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = node_env()
     result = subprocess.run(
         [sys.executable, "-m", "agent.cli", "cleanup", "--all-nodes", "--config", str(cluster)],
         capture_output=True,

@@ -64,6 +64,11 @@ def test_cleanup_removes_ours_recovers_faults_and_leaves_a_foreign_rule(double: 
     assert len(double.device_taint_rules()) == 3, "a dry run changes nothing"
     assert any(line.startswith("devicetaintrules: would remove 2 (") for line in out), out
     assert "public faults mindx-dl/node-health-publicfault-a: would recover 1 fault(s)" in out
+    assert "device budget node-health/node-health-device-budget: would release 4 device slot(s) (a, b)" in out
+    out.clear()
+    assert cleanup(KubeApi(double.client, 5), config, "a", True, out.append) == 0
+    assert "device budget node-health/node-health-device-budget: would release 2 device slot(s) (a)" in out, out
+    assert slots(double) == {"a": ["gpu3", "npu1"], "b": ["gpu3", "npu1"]}
 
     out.clear()
     assert cleanup(KubeApi(double.client, 5), config, None, False, out.append) == 0, out

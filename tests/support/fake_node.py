@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -43,9 +42,11 @@ from typing import Any
 
 import yaml
 
+from support.cli import node_env
 from support.fake_kubelet import FakeKubelet
 from support.kube_double import ApiDouble
 from support.netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver
+from support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SMI = Path(__file__).resolve().parent / "fake_npu_smi.py"
@@ -69,12 +70,6 @@ EGRESS_NAME = "mirror"
 NPU_PCI_CHAIN = ["pci0000:00", "0000:00:01.0", "0000:01:00.0"]
 COR_NAMES = ["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF"]
 UNCOR_NAMES = ["Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _aer_text(names: list[str], total_name: str, counts: dict[str, int]) -> str:
@@ -375,8 +370,7 @@ class FakeNode:
             self._holder.wait(timeout=10)
 
     def start_agent(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env = node_env()
         with self.log_path.open("wb") as log:
             self.agent = subprocess.Popen(
                 [

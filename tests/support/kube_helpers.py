@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterable
 from typing import Any
 
 import kubernetes.client
+import pytest
 
 from agent.config import parse_config
 from agent.kube import KubeAgent
@@ -20,6 +22,24 @@ from support.kube_double import ApiDouble
 PREFIX = "node-health"
 BUDGET_NS = "node-health"
 BLOCKING = ("NoSchedule", "NoExecute")
+YEAR = 365 * 24 * 3600.0
+
+# Fleet records (the budgets' `fleet` annotation) that are garbage: each must be counted again, never trusted.
+GARBAGE_FLEETS = [
+    '{"nodes": 1e999}',  # json.loads: infinity (int() of it raised OverflowError, and the agent never tainted)
+    '{"nodes": 4, "selector": "", "counted_at": NaN}',  # never due again: a bogus count lifted the budget
+    '{"nodes": 4, "selector": "", "counted_at": 1e999, "verified_at": 0}',
+    '{"nodes": 4, "selector": "", "verified_at": -Infinity}',
+    '{"nodes": -4, "selector": ""}',
+    '{"nodes": 4000000000, "selector": ""}',  # a limit of 10% of that would taint the whole fleet
+    '{"nodes": 2.5, "selector": ""}',
+    '{"nodes": "4", "selector": ""}',
+    '{"nodes": true, "selector": ""}',
+    '{"nodes": 4, "selector": 7}',
+    "[4]",
+    '{"nodes": [[[[[[[[[[[[[[[[[[[[4]]]]]]]]]]]]]]]]]]]]}',
+    "not json at all",
+]
 
 # probe name → its checks
 DEFAULT_PROBES = {"storage": ("storage.mounts",), "npu": ("npu.health",), "time": ("time.sync",)}
@@ -149,6 +169,20 @@ def make_agent(
         monotonic=monotonic or clock,
         rng=random.Random(seed),
     )
+
+
+def passes_over_garbage(agents: list[KubeAgent], clock: Clock, caplog: pytest.LogCaptureFixture) -> int:
+    """Every agent reconciles twice, a second apart, each pass succeeding; how many warnings said a budget's fleet
+    record was garbage meanwhile (once per agent at most: logged once per garbage record, not on every pass)."""
+    with caplog.at_level(logging.WARNING, logger="agent.kube"):
+        for _ in range(2):
+            for agent in agents:
+                agent.reconcile_once()
+            clock.advance(1)
+    assert all(not a.last_error for a in agents), [a.last_error for a in agents]
+    logged = [r for r in caplog.records if "fleet record is garbage" in r.getMessage()]
+    assert len(logged) <= len(agents), "logged once (per agent), not on every pass"
+    return len(logged)
 
 
 def our_taints(node: dict[str, Any]) -> dict[str, tuple[str, str]]:

@@ -7,10 +7,13 @@ Fixtures live in the repository (tests/fixtures): a missing one fails, it never 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,15 @@ def wait_reaped(children: ChildCalls, seconds: float = 10.0) -> dict[str, int]:
     while children.in_flight() and time.monotonic() < end:
         time.sleep(0.05)
     return children.in_flight()
+
+
+@contextlib.contextmanager
+def traversable_tmp_dir(prefix: str) -> Iterator[Path]:
+    """A temp dir another uid (a job's) can traverse, removed afterwards: pytest's own tmp_path sits below a
+    0700 directory."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -6,19 +6,16 @@ check that touches it says MountDead with how to detach and remount it, a model 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from support.cli import check_json
 from support.fusefs import fuse_mount, mounted_at
-from support.system import REPO, fuse_capable
+from support.system import fuse_capable
 
 from agent.config import parse_config
 from probes.base import Check, Finding, ProbeContext, Status
@@ -37,23 +34,6 @@ MODEL = "org/model-7b"
 def findings_of(probe: Any, config: dict[str, Any]) -> dict[str, Finding]:
     output = probe.run(ProbeContext(Host(), parse_config(config), 15.0))
     return {f.subject: f for f in output if isinstance(f, Finding)}
-
-
-def check_ready(config: dict[str, Any], directory: Path, only: str) -> dict[str, Any]:
-    """`node-health check --only` as an operator runs it: the JSON verdict."""
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check", "--config", str(path), "--json", "--only", only],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert result.stdout.strip(), result.stderr
-    return dict(json.loads(result.stdout))
 
 
 def kill_daemon(mount_path: Path, pid: int) -> None:
@@ -98,7 +78,7 @@ def test_a_sigkilled_fuse_daemon_is_mount_dead_in_every_storage_check(tmp_path: 
         healthy = findings_of(MountsProbe(), config)[str(mount.path)]
         assert healthy.status == Status.OK, healthy
         only_mounts = {"storage": {"mounts": storage["mounts"]}, "kubernetes": {"enabled": False}}
-        assert check_ready(only_mounts, tmp_path, "storage.mounts")["ready"] is True
+        assert check_json(only_mounts, tmp_path, "--only", "storage.mounts")["ready"] is True
 
         kill_daemon(mount.path, mount.daemon_pid)
 
@@ -110,7 +90,7 @@ def test_a_sigkilled_fuse_daemon_is_mount_dead_in_every_storage_check(tmp_path: 
         assert_mount_dead(cached, mount.path)
         assert_mount_dead(findings_of(LocksProbe(), config)[f"{cache}/.locks/*/*.lock"], mount.path)
 
-        report = check_ready(only_mounts, tmp_path, "storage.mounts")
+        report = check_json(only_mounts, tmp_path, "--only", "storage.mounts")
         assert report["ready"] is False
         assert [(r["check"], r["reason"]) for r in report["reasons"]] == [("storage.mounts", "MountDead")]
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.fusefs import fuse_mount
-from support.system import fuse_capable, require_root
+from support.system import fuse_capable, require_root, traversable_tmp_dir
 
 from agent.config import parse_config
 from agent.scheduler import probe_context
@@ -40,13 +38,9 @@ def run_write(path: Path, uid: int = JOB_UID, gid: int = JOB_GID, nbytes: int = 
 
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
-    """A temp dir the job uid can traverse (pytest's own tmp_path sits below a 0700 directory)."""
-    path = Path(tempfile.mkdtemp(prefix="nh-write-"))
-    path.chmod(0o755)
-    try:
+    """A temp dir the job uid can traverse."""
+    with traversable_tmp_dir("nh-write-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.system import require_root, require_tool
+from support.system import require_root, require_tool, traversable_tmp_dir
 
 from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Status
@@ -28,13 +26,9 @@ JOB = 1000
 
 @pytest.fixture
 def tmp_path() -> Iterator[Path]:
-    """A temp dir the job uid can traverse (pytest's own tmp_path sits below a 0700 directory)."""
-    path = Path(tempfile.mkdtemp(prefix="nh-quota-"))
-    path.chmod(0o755)
-    try:
+    """A temp dir the job uid can traverse."""
+    with traversable_tmp_dir("nh-quota-") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

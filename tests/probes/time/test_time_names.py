@@ -5,19 +5,14 @@ resolved nowhere is unknown and, servers being configured, blocks /ready (time.r
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from support.cli import check_json
 from support.netservers import DnsTestServer, SntpTestServer, ZoneResolver, servers
-from support.system import REPO
 
 from agent.config import parse_config
 from agent.scheduler import probe_context
@@ -77,19 +72,7 @@ def run_time(data: dict[str, Any]) -> dict[str, Finding]:
 
 def check(data: dict[str, Any], directory: Path) -> dict[str, Any]:
     """`node-health check --only time.sync`, as an operator runs it."""
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(data))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "check", "--config", str(path), "--json", "--only", "time.sync"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert result.stdout.strip(), result.stderr
-    return dict(json.loads(result.stdout))
+    return check_json(data, directory, "--only", "time.sync")
 
 
 @pytest.mark.system
