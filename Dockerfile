@@ -33,9 +33,10 @@ RUN /opt/node-health/bin/pip install --no-cache-dir --disable-pip-version-check 
 FROM ${BASE}
 # util-linux is Essential in Debian (so nsenter is already there); naming it states the dependency.
 # hadolint ignore=DL3008
+# The interpreter's regression-test support and pydoc's help texts are not for a daemon: nothing imports them.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 util-linux ca-certificates \
-    && rm -rf /var/lib/apt/lists/* \
+    && rm -rf /var/lib/apt/lists/* /usr/lib/python3.*/test /usr/lib/python3.*/pydoc_data \
     && nsenter --version
 COPY --from=build /opt/node-health /opt/node-health
 ENV PATH=/opt/node-health/bin:$PATH \
