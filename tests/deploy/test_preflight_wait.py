@@ -26,7 +26,7 @@ from support.system import require_tool
 from agent.http import TEXT_REASONS_MAX, HttpServer
 from agent.httpserver import Limits
 from agent.metrics import MetricsRenderer
-from agent.state import HealthState, ProbeSpec
+from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Finding, Status
 
 NODE = "node-a"
@@ -36,7 +36,7 @@ WAIT = "20"
 @contextmanager
 def agent(probes: int, limits: Limits | None = None) -> Iterator[tuple[HealthState, str]]:
     """An agent whose `probes` probes (one check each, `check0.x` ...) have not produced a result yet."""
-    state = HealthState(NODE, fail_threshold=1, recovery_threshold=1)
+    state = HealthState(NODE, HealthSettings(fail_threshold=1, recovery_threshold=1))
     state.configure([ProbeSpec(f"p{n}", (f"check{n}.x",), 60.0, 5.0) for n in range(probes)])
     checks = [f"check{n}.x" for n in range(probes)]
     server = HttpServer(
