@@ -246,8 +246,10 @@ def map_devices(
     ascend = [a for a in allocations if a.resource.startswith(ASCEND_PREFIX)]
     ids = [a.device_id for a in allocations if not a.resource.startswith(ASCEND_PREFIX)]
     if ascend:
-        index = directory.current() if directory is not None else None
-        real, why = real_chips((namespace, name), ascend, index, seen, directory)
+        if directory is None:  # for good, not for now: the pre-flight asks about the devices it knows instead
+            why = "Kubernetes is off here (no pod list), so Volcano's real chips of an Ascend pod cannot be known"
+            return _unknown(namespace, name, LEDGER_UNAVAILABLE, why, {})
+        real, why = real_chips((namespace, name), ascend, directory.current(), seen, directory)
         if why:
             return _unknown(namespace, name, POD_DEVICES_UNKNOWN, f"its Ascend chips are not known: {why}", {})
         chips = davinci_devices(snapshot)

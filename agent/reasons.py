@@ -58,7 +58,8 @@ LEDGER_UNAVAILABLE = Reason(
     "LedgerUnavailable",
     Status.UNKNOWN,
     "/ready?pod=: the kubelet's ledger (PodResources API) could not be read (no socket, the kubelet did not answer "
-    "in time or answered an error, nothing read yet), so the pod's devices are unknown; never ready then",
+    "in time or answered an error, nothing read yet), or cannot tell an Ascend pod's chips with Kubernetes off "
+    "(Volcano's real chips are in the pod list), so the pod's devices are unknown; never ready then",
     "see npu.ledger / gpu.ledger in /status for the read's error; check kubernetes.pod_resources_socket and the "
     "DaemonSet's /var/lib/kubelet/pod-resources mount; deploy/examples/preflight.sh asks about the whole node then",
 )
@@ -82,8 +83,8 @@ POD_DEVICES_UNKNOWN = Reason(
     "PodDevicesUnknown",
     Status.UNKNOWN,
     "/ready?pod=: the ledger lists the pod's devices, but the agent cannot tell yet which of its devices they are "
-    "(a GPU id no gpu result names, a chip no npu result lists, Volcano's huawei.com/AscendReal not in the node's "
-    "pod list yet, or Kubernetes off so Volcano's real chips cannot be known); never ready then",
+    "(a GPU id no gpu result names, a chip no npu result lists, or Volcano's huawei.com/AscendReal not in the "
+    "node's pod list yet); never ready then",
     "retry in a few seconds (the npu and gpu results and the node's pod list catch up); or pass devices= as well, "
     "which is judged instead",
 )

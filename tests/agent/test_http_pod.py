@@ -167,10 +167,12 @@ def test_volcano_real_chips_replace_the_kubelet_side_ids_once_the_pod_list_is_ne
     assert found.devices == {("npu", 2)} and found.ids == ("Ascend910-2",)
     plain = PodMeta("uid-1", "team-a", "train-0")
     assert mapped(snapshot, allocations, Pods(plain, fetched_at=1001.0), seen).devices == {("npu", 0)}
-    # Kubernetes off: no pod list, so Volcano's real chips cannot be known.
+    # Kubernetes off: no pod list, so Volcano's real chips can never be known: the ledger is of no use for them.
     off = mapped(snapshot, allocations, KUBERNETES_OFF, seen)
-    assert off.reason is not None and off.reason.reason == POD_DEVICES_UNKNOWN.code
-    assert "Kubernetes off" in off.reason.message
+    assert off.reason is not None and off.reason.reason == LEDGER_UNAVAILABLE.code
+    assert "Kubernetes is off" in off.reason.message
+    # A GPU pod needs no pod list.
+    assert mapped(snapshot, grants("team-a", "train-0", (NVIDIA, GPU_0)), KUBERNETES_OFF).devices == {("gpu", 0)}
 
 
 def test_ids_no_result_names_are_unknown_and_claims_count_every_device() -> None:
