@@ -31,7 +31,7 @@ from agent.httpanswers import Scope, error_answer, json_answer, ready_body, read
 from agent.httpanswers import ready_text as ready_text
 from agent.httpserver import MAX_QUERY_FIELDS, Handler, HttpServerCore, Limits, Request, Response
 from agent.ready import BadQuery, ReadyQuery, judge, parse_ready_query, prefers_text, wants_text
-from agent.readypod import PodDevices, PodLedger, unavailable
+from agent.readypod import LEDGER_WAIT_SECONDS, PodDevices, PodLedger, unavailable
 from agent.snapshot import Snapshot, Verdict
 from agent.state import HealthState
 from probes.base import Sample
@@ -313,7 +313,9 @@ class HttpServer:
 
     async def _fresh_ledger(self) -> None:
         """A new ledger read when the last one is over a second old, in a thread (the read blocks on the reader
-        child); every request waiting meanwhile waits for the same read."""
+        child); every request waiting meanwhile waits for the same read, at most LEDGER_WAIT_SECONDS: a slow or
+        hung kubelet must not make the pre-flight's answer late (a pre-flight that gets no answer may fail open).
+        Past it the last read judges, and one too old is LedgerStale."""
         ledger = self._pod_ledger
         if ledger is None:
             return
@@ -322,7 +324,10 @@ class HttpServer:
             if not ledger.due():
                 return
             refresh = self._ledger_refresh = self._start_refresh(ledger)
-        await asyncio.shield(refresh)
+        try:
+            await asyncio.wait_for(asyncio.shield(refresh), LEDGER_WAIT_SECONDS)
+        except asyncio.TimeoutError:
+            pass
 
     def _start_refresh(self, ledger: PodLedger) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()

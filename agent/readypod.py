@@ -3,9 +3,9 @@ health state's findings carry, so that /ready judges exactly those (and the node
 
 The ledger is the kubelet's PodResources List (`probes.runtime.podresources`), read by the reader child the npu and
 gpu probes share. The HTTP server asks for a fresh read before it judges a pod (`PodLedger.refresh`, in a thread
-of its own, never on the loop; at most one a second, and one every 5 s while reads fail), so a pod admitted a
-moment ago is listed, and a pod re-created under the same name is judged by its own allocation. Then, failing
-closed (`resolve`):
+of its own, never on the loop; at most one a second, and one every 5 s while reads fail) and waits for it at most
+`LEDGER_WAIT_SECONDS`, so a pod admitted a moment ago is listed, and a pod re-created under the same name is judged
+by its own allocation. Then, failing closed (`resolve`):
 
 - no read yet, or the last one failed (no socket, the kubelet did not answer) → LedgerUnavailable;
   an ok read older than `MAX_LEDGER_AGE_SECONDS` (the newer one asked for has not finished) → LedgerStale;
@@ -52,6 +52,9 @@ from probes.runtime.podresources.pods import PodDirectory
 MAX_LEDGER_AGE_SECONDS = 10.0
 REFRESH_SECONDS = 1.0  # reads within this are reused (the client's own MIN_SECONDS_BETWEEN_READS too)
 RETRY_FAILED_SECONDS = 5.0  # after a failed read: a hung kubelet costs a reader child restart per read
+# How long a request waits for the read asked for before the last one judges: the answer stays prompt (a
+# pre-flight gives each attempt 3 s) whatever the kubelet does.
+LEDGER_WAIT_SECONDS = 1.0
 MAX_IDS_SHOWN = 32
 
 POD_CHECK = Check("ready.pod")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import pytest
 from agent.http import HttpServer
 from agent.metrics import MetricsRenderer
 from agent.ready import BadQuery, parse_pod
-from agent.readypod import MAX_LEDGER_AGE_SECONDS, PodLedger, map_devices, read_problem
+from agent.readypod import LEDGER_WAIT_SECONDS, MAX_LEDGER_AGE_SECONDS, PodLedger, map_devices, read_problem
 from agent.reasons import LEDGER_STALE, LEDGER_UNAVAILABLE, POD_DEVICES_UNKNOWN, POD_NOT_IN_LEDGER
 from agent.snapshot import Snapshot
 from agent.state import HealthSettings, HealthState, ProbeSpec
@@ -239,11 +240,15 @@ class HeldLedger(PodLedger):
         super().__init__(lambda: "/unused", lambda: 1.0, lambda: pods)
         self.read = read
         self.upcoming: list[LedgerRead] = []
+        self.hung = threading.Event()  # set: a read does not come back (a hung kubelet) until `release`
+        self.release = threading.Event()
 
     def last(self) -> LedgerRead | None:
         return self.read
 
     def read_now(self) -> LedgerRead | None:
+        if self.hung.is_set():
+            self.release.wait(30)
         if self.upcoming:
             self.read = self.upcoming.pop(0)
         return self.read
@@ -396,6 +401,25 @@ def test_at_most_one_ledger_read_a_second_however_many_ask(served: Served) -> No
     for _ in range(20):
         served.answer("/ready?pod=team-a/train-0")
     assert served.ledger.refreshes - before <= 1
+
+
+def test_a_read_that_hangs_never_makes_the_answer_late(served: Served) -> None:
+    """A pre-flight that gets no answer in time may fail open: the answer comes within LEDGER_WAIT_SECONDS."""
+    served.ledger.hung.set()
+    try:
+        for read, expected in (
+            (served.ledger.read, 200),  # judged by the last read, recent enough
+            (ledger_read(*grants("team-a", "train-0", (ASCEND, "Ascend910-1")), age=60), 503),  # LedgerStale
+        ):
+            served.ledger.read = read
+            time.sleep(1.1)  # a read is due again
+            started = time.monotonic()
+            status, body = served.answer("/ready?pod=team-a/train-0")
+            assert status == expected, body
+            assert time.monotonic() - started < LEDGER_WAIT_SECONDS + 1.0
+        assert [r["reason"] for r in body["reasons"]] == [LEDGER_STALE.code]
+    finally:
+        served.ledger.release.set()
 
 
 @pytest.mark.parametrize("pod", ["team-a", "Team-A/x", "a/b/c", "%2e%2e/x", "a/" + "b" * 300])
