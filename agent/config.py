@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
 from agent.configcompat import ConfigNotes, newer_release_note, take_config_version, without_keys
 from agent.configfile import ERROR_MESSAGE_CHARS, ConfigFileError, excerpt, parse_yaml, read_bounded
@@ -37,7 +37,24 @@ class ConfigError(Exception):
 class HttpConfig(Section):
     address: str = "0.0.0.0"
     port: int = Field(9100, ge=0, le=65535)
+    # /metrics and /status (and /healthz, /started) on a port of their own, which a NetworkPolicy can open to the
+    # monitoring namespace only (deploy/components/network-policy); 0: no second port.
+    metrics_port: int = Field(9101, ge=0, le=65535)
+    # /metrics and /status on `port` too, as before 0.3 (scrape configs and dashboards that name 9100). The
+    # network-policy component turns it off (env NODE_HEALTH_HTTP_STATUS_ON_MAIN_PORT, docs/http.md).
+    status_on_main_port: bool = True
     max_wait_seconds: PositiveSeconds = 300.0
+
+    @model_validator(mode="after")
+    def _ports(self) -> HttpConfig:
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"http.metrics_port: {self.metrics_port} is http.port too; give it a port of its own")
+        if not self.status_on_main_port and not self.metrics_port:
+            raise ValueError(
+                "http.status_on_main_port: false needs http.metrics_port (not 0), else no port serves /metrics and "
+                "/status"
+            )
+        return self
 
 
 class LoggingConfig(Section):
@@ -63,6 +80,28 @@ class ProbeSchedule(Section):
     timeout_seconds: PositiveSeconds | None = None
     # Random delay added to each interval, as a fraction of it, so 1,000 nodes do not probe in lockstep.
     jitter_fraction: float = Field(0.1, ge=0, le=1)
+
+
+# Set by deploy/components/network-policy on the agent's container: whether /metrics and /status stay on http.port,
+# overriding http.status_on_main_port (a component cannot edit a key inside the shipped ConfigMap's file).
+STATUS_ON_MAIN_PORT_ENV = "NODE_HEALTH_HTTP_STATUS_ON_MAIN_PORT"
+
+
+def status_on_main_port(http: HttpConfig, environ: dict[str, str] | None = None) -> bool:
+    """http.status_on_main_port, or $NODE_HEALTH_HTTP_STATUS_ON_MAIN_PORT (true/false) when set; ConfigError for
+    any other value of it, or for false without a metrics port."""
+    value = (os.environ if environ is None else environ).get(STATUS_ON_MAIN_PORT_ENV)
+    if value is None:
+        return http.status_on_main_port
+    if value.strip().lower() not in ("true", "false"):
+        raise ConfigError(f"${STATUS_ON_MAIN_PORT_ENV}: true or false, got {clip(value, 40)!r}")
+    on = value.strip().lower() == "true"
+    if not on and not http.metrics_port:
+        raise ConfigError(
+            f"${STATUS_ON_MAIN_PORT_ENV}=false needs http.metrics_port (not 0), else no port serves /metrics and "
+            "/status"
+        )
+    return on
 
 
 # --- kubernetes ------------------------------------------------------------------------------------

@@ -11,12 +11,13 @@ import threading
 import time
 from typing import Any
 
-from agent.config import Config, ConfigError, load_config_tolerant
+from agent.config import Config, ConfigError, load_config_tolerant, status_on_main_port
 from agent.configcompat import ConfigNotes
 from agent.configfile import ConfigFileError, read_bounded
 from agent.http import HttpServer
 from agent.logs import configure_logging
 from agent.metrics import MetricsRenderer
+from agent.readypod import PodLedger
 from agent.scheduler import Scheduler, build_state, instantiate
 from agent.version import __version__
 from probes import all_probes
@@ -109,6 +110,12 @@ class Agent:
         self.config_notes = self._notes_of(config_path)
         self.kube: Any = None
         self.metrics = MetricsRenderer(self.state.current, [self._agent_samples])
+        # /ready?pod=: the kubelet's ledger as the config of the moment names it, the node's pods once Kubernetes runs.
+        self.pod_ledger = PodLedger(
+            lambda: self.config.kubernetes.pod_resources_socket,
+            lambda: self.config.kubernetes.pod_resources_timeout_seconds,
+            lambda: self.kube.pods if self.kube is not None else None,
+        )
         self.http = HttpServer(
             self.state,
             self.metrics.render,
@@ -118,6 +125,9 @@ class Agent:
             address=config.http.address,
             port=config.http.port,
             max_wait=config.http.max_wait_seconds,
+            metrics_port=config.http.metrics_port or None,
+            status_on_main_port=status_on_main_port(config.http),
+            pod_ledger=self.pod_ledger,
         )
         self.metrics.collector.add_source(self.http.samples)
         self._stop = threading.Event()
@@ -193,7 +203,10 @@ class Agent:
     def start(self) -> None:
         self._log_config_notes()
         port = self.http.start()
-        log.info("serving on %s:%d", self.config.http.address, port)
+        log.info("serving on %s:%d %s", self.config.http.address, port, ", ".join(self.http.main_routes))
+        if self.http.metrics_port is not None:
+            routes = ", ".join(self.http.metrics_routes)
+            log.info("serving on %s:%d %s", self.config.http.address, self.http.metrics_port, routes)
         self.scheduler.start()
         if self.config.kubernetes.enabled and not self.no_kube:
             from agent.kube import KubeAgent  # the kubernetes client is heavy: only when used
@@ -240,8 +253,10 @@ class Agent:
             self.last_reload_error = str(exc)
             log.error("config reload (%s) rejected, keeping the running config: %s", why, exc)
             return False
-        if (config.http.address, config.http.port) != (self.config.http.address, self.config.http.port):
-            log.warning("http.address/http.port changed: takes effect at the next restart")
+        listeners = ("address", "port", "metrics_port", "status_on_main_port")
+        changed = [key for key in listeners if getattr(config.http, key) != getattr(self.config.http, key)]
+        if changed:
+            log.warning("%s changed: takes effect at the next restart", ", ".join(f"http.{key}" for key in changed))
         if config.section(HostConfig) != self.config.section(HostConfig):
             self.host = Host.from_config(
                 config.section(HostConfig), children=self.host.children, devices=self.host.devices

@@ -40,11 +40,16 @@ def default_backlog(fd_limit: int | None = None) -> int:
     return max(64, min(1024, (fd_limit - FD_RESERVE) // 4))
 
 
+# The listen backlog of each further port (the metrics port, http.metrics_port): its clients are a Prometheus or
+# two, and its queue is part of the fd budget too.
+SECONDARY_BACKLOG = 64
+
+
 def default_max_connections(fd_limit: int | None = None) -> int:
-    """At most MAX_CONNECTIONS, and always below the fd limit: accept() failing with EMFILE would stop all
-    answers."""
+    """At most MAX_CONNECTIONS, and always below the fd limit, the listen queues of both ports included:
+    accept() failing with EMFILE would stop all answers."""
     fd_limit = _fd_limit() if fd_limit is None else fd_limit
-    return max(16, min(MAX_CONNECTIONS, fd_limit - FD_RESERVE - default_backlog(fd_limit)))
+    return max(16, min(MAX_CONNECTIONS, fd_limit - FD_RESERVE - default_backlog(fd_limit) - SECONDARY_BACKLOG))
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Limits:
     # once the last one has gone to the kernel, so a client that never reads pins at most one answer.
     write_high_water: int = 0
     backlog: int = field(default_factory=default_backlog)
+    secondary_backlog: int = SECONDARY_BACKLOG  # the listen backlog of each further port
     send_buffer: int = 16 * 1024  # SO_SNDBUF: bounds the kernel memory a client that never reads pins
     receive_buffer: int = 8 * 1024  # SO_RCVBUF: bounds what the kernel holds of a client's unread input
     sweep_every: float = 1.0
@@ -78,12 +84,14 @@ class Limits:
             raise ValueError(f"max_buffered must hold a whole request head ({MAX_HEAD_BYTES} bytes)")
 
 
-def worst_case_bytes(limits: Limits) -> int:
+def worst_case_bytes(limits: Limits, listeners: int = 2) -> int:
     """The most memory clients can make the server hold, the kernel's socket buffers (charged to the pod's
-    memory cgroup) included: every connection slot with a full input buffer, one answer chunk unsent, and both
-    kernel buffers full (the kernel doubles SO_RCVBUF and SO_SNDBUF for its bookkeeping), plus a full listen
-    backlog of connections the kernel accepted and the loop has not."""
+    memory cgroup) included: every connection slot (one budget for every port) with a full input buffer, one
+    answer chunk unsent, and both kernel buffers full (the kernel doubles SO_RCVBUF and SO_SNDBUF for its
+    bookkeeping), plus full listen backlogs of connections the kernel accepted and the loop has not: the main
+    port's and `listeners - 1` further ones (the metrics port)."""
     slots = limits.max_connections + limits.local_reserve
     user = limits.max_buffered + WRITE_CHUNK + CONNECTION_OVERHEAD
     kernel = 2 * (limits.receive_buffer + limits.send_buffer)
-    return slots * (user + kernel) + limits.backlog * 2 * limits.receive_buffer
+    queued = limits.backlog + max(0, listeners - 1) * limits.secondary_backlog
+    return slots * (user + kernel) + queued * 2 * limits.receive_buffer

@@ -51,8 +51,9 @@ def is_local_peer(peer: str, local: str) -> bool:
 
 
 class _Connection(asyncio.BufferedProtocol):
-    def __init__(self, server: HttpServerCore) -> None:
+    def __init__(self, server: HttpServerCore, routes: dict[str, Handler]) -> None:
         self._server = server
+        self._routes = routes  # the listener's: each port serves its own paths
         self._limits = server.limits
         self._transport: asyncio.Transport | None = None
         self.peer = ""
@@ -185,7 +186,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._fail(400, "request bodies are not accepted")
             return
         self._head_since = 0.0
-        result = self._server.dispatch(request)
+        result = self._server.dispatch(request, self._routes)
         if isinstance(result, Response):
             self._send(result, request, keep_alive)
             return
@@ -365,17 +366,20 @@ class _RateLimitedLog:
 
 
 class HttpServerCore:
-    """Routes by exact path; a handler returns a Response, or an awaitable of one when it must wait."""
+    """Routes by exact path; a handler returns a Response, or an awaitable of one when it must wait.
+
+    It may listen on several ports (`listen` once per port), each with its own routes: every connection, on
+    whichever port, counts against the one set of limits and shares the one read buffer."""
 
     def __init__(self, routes: dict[str, Handler], limits: Limits | None = None) -> None:
-        self.routes = routes
+        self.routes = routes  # what `listen` serves unless it is given others
         self.limits = limits or Limits()
         self.connections: set[_Connection] = set()
         self.per_peer: dict[str, int] = {}
         self.refused = 0
         # Every connection reads into this, then keeps only what it has not answered yet (see get_buffer).
         self.scratch = memoryview(bytearray(self.limits.max_buffered))
-        self._server: asyncio.base_events.Server | None = None
+        self._servers: list[asyncio.base_events.Server] = []
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -417,13 +421,14 @@ class HttpServerCore:
         else:
             self.per_peer.pop(connection.peer, None)
 
-    def dispatch(self, request: Request) -> Response | Awaitable[Response]:
-        handler = self.routes.get(request.path)
+    def dispatch(self, request: Request, routes: dict[str, Handler] | None = None) -> Response | Awaitable[Response]:
+        routes = self.routes if routes is None else routes
+        handler = routes.get(request.path)
         if handler is None:
             return error_response(
                 404,
-                f"no such endpoint {clip(escape(request.path), 64, ASCII_ELLIPSIS)} "
-                "(try /ready, /healthz, /metrics, /status)",
+                f"no such endpoint {clip(escape(request.path), 64, ASCII_ELLIPSIS)} on this port "
+                f"(try {', '.join(routes)})",
             )
         if request.method not in ("GET", "HEAD"):
             return error_response(405, "read-only: GET or HEAD", {"Allow": "GET, HEAD"})
@@ -433,20 +438,28 @@ class HttpServerCore:
             log.exception("handler for %s failed", request.path)
             return error_response(500, f"internal error: {type(exc).__name__}")
 
-    async def listen(self, address: str, port: int) -> int:
+    async def listen(self, address: str, port: int, routes: dict[str, Handler] | None = None) -> int:
+        """Serve `routes` (default: the core's) on address:port; returns the bound port (useful with port 0)."""
         loop = asyncio.get_running_loop()
         self._loop = loop
         if loop.get_exception_handler() is None:
             loop.set_exception_handler(_RateLimitedLog(self.limits.log_every))
-        self._server = await loop.create_server(
-            lambda: _Connection(self), address, port, backlog=self.limits.backlog, reuse_address=True
+        served = self.routes if routes is None else routes
+        server = await loop.create_server(
+            lambda: _Connection(self, served), address, port, backlog=self.limits.backlog, reuse_address=True
         )
-        for sock in self._server.sockets:
+        self._servers.append(server)
+        for sock in server.sockets:
             # Accepted sockets inherit them (and the kernel no longer grows them): set once, here.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.limits.receive_buffer)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
-        self._sweeper = loop.call_later(self.limits.sweep_every, self._sweep)
-        return self._server.sockets[0].getsockname()[1]
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(self.limits.sweep_every, self._sweep)
+        return int(server.sockets[0].getsockname()[1])
+
+    @property
+    def listeners(self) -> int:
+        return len(self._servers)
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -458,13 +471,13 @@ class HttpServerCore:
         """Stop listening and drop every connection at once: shutting down never waits for a client."""
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         for connection in list(self.connections):
             connection.abort()
         await asyncio.sleep(0)  # let connection_lost run, which cancels waiting handlers
-        if self._server is not None:
+        for server in self._servers:
             try:
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                await asyncio.wait_for(server.wait_closed(), 1.0)
             except asyncio.TimeoutError:
                 pass

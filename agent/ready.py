@@ -28,7 +28,7 @@ from probes.base import (
 from probes.text import ASCII_ELLIPSIS, clip
 
 READY_PARAMS = frozenset(
-    {"checks", "devices", "format", "min_hbm_free_mib", "min_host_mem_mib", "min_hugepages", "wait"}
+    {"checks", "devices", "format", "min_hbm_free_mib", "min_host_mem_mib", "min_hugepages", "pod", "wait"}
 )
 MAX_SELECTORS = 32  # distinct checks= entries
 MAX_DEVICES = 128  # distinct devices= entries: 16 accelerators with 7 MIG devices each fit
@@ -40,6 +40,10 @@ _INDEX = re.compile(r"[0-9]{1,5}")
 # GPU UUIDs (GPU-<uuid>) and MIG device ids (MIG-<uuid>, or the older MIG-GPU-<uuid>/<gi>/<ci>).
 _NVIDIA_ID = re.compile(r"(?:[Gg][Pp][Uu]|[Mm][Ii][Gg])-[0-9A-Za-z/-]{1,96}")
 _Q_VALUE = re.compile(r"(?:0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?)")
+# namespace: a DNS-1123 label; name: a DNS-1123 subdomain (what the API server accepts for each).
+_NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
+_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_POD_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 
 
 # --- selectors --------------------------------------------------------------------------------------
@@ -72,6 +76,14 @@ def blocks(finding: Finding, required: Collection[str]) -> bool:
     return False
 
 
+def device_selected(
+    finding: Finding, devices: Collection[int] | None, device_keys: Collection[tuple[str, int]] | None
+) -> bool:
+    if devices is not None and finding.device not in devices:
+        return False
+    return device_keys is None or (finding.category, finding.device) in device_keys
+
+
 def evaluate(
     states: Iterable[CheckState],
     required: Collection[str],
@@ -79,12 +91,14 @@ def evaluate(
     *,
     checks: Collection[str] | None = None,
     devices: Collection[int] | None = None,
+    device_keys: Collection[tuple[str, int]] | None = None,
     min_hbm_free_mib: float | None = None,
     min_host_mem_mib: float | None = None,
     min_hugepages: float | None = None,
 ) -> Verdict:
-    """The verdict over the selected states (every one when `checks` and `devices` are None), with the
-    job's memory requests judged too."""
+    """The verdict over the selected states (every one when `checks`, `devices` and `device_keys` are None), with
+    the job's memory requests judged too. `devices` selects device results by index whatever their category;
+    `device_keys` by (category, index): NPU 0 and GPU 0 apart, as a pod's devices from the ledger are."""
     reasons: list[Finding] = []
     oldest = now
     states = tuple(states)
@@ -92,7 +106,7 @@ def evaluate(
         finding = state.finding
         if checks is not None and not matches_any(finding.check, checks):
             continue
-        if devices is not None and finding.device is not None and finding.device not in devices:
+        if finding.device is not None and not device_selected(finding, devices, device_keys):
             continue
         if state.observed_at:
             oldest = min(oldest, state.observed_at)
@@ -152,6 +166,9 @@ class ReadyQuery:
     checks: tuple[str, ...] | None = None
     device_indices: frozenset[int] | None = None  # None: every device (no devices=, or devices=all)
     device_ids: tuple[str, ...] = ()  # GPU-/MIG- ids, resolved to indices against each snapshot
+    devices_given: bool = False  # devices= was in the query (`all` included): what pod= falls back to
+    device_keys: frozenset[tuple[str, int]] | None = None  # (category, index): a pod's devices from the ledger
+    pod: tuple[str, str] | None = None  # pod=<namespace>/<name>: its devices from the kubelet's ledger
     min_hbm_free_mib: float | None = None
     min_host_mem_mib: float | None = None
     min_hugepages: float | None = None
@@ -225,6 +242,17 @@ def parse_devices(text: str) -> tuple[frozenset[int] | None, tuple[str, ...]]:
     return frozenset(indices), tuple(ids)
 
 
+def parse_pod(text: str) -> tuple[str, str]:
+    """`<namespace>/<name>`, each as Kubernetes allows it; BadQuery otherwise (checked before anything is looked up)."""
+    namespace, slash, name = text.partition("/")
+    if not slash or len(name) > 253 or not _NAMESPACE.fullmatch(namespace) or not _POD_NAME.fullmatch(name):
+        raise BadQuery(
+            f"pod={echo(text)}: not <namespace>/<name> (a DNS label: lower case, digits, '-', at most 63 characters; "
+            "a DNS subdomain, at most 253)"
+        )
+    return namespace, name
+
+
 def prefers_text(accept: str) -> bool:
     """Accept negotiation between JSON (the default) and text: text only when it ranks strictly higher;
     an explicit type outranks a wildcard of the same q."""
@@ -277,6 +305,8 @@ def parse_ready_query(
         checks=parse_checks(query["checks"], known_checks) if "checks" in query else None,
         device_indices=indices,
         device_ids=ids,
+        devices_given="devices" in query,
+        pod=parse_pod(query["pod"]) if "pod" in query else None,
         min_hbm_free_mib=numbers.get("min_hbm_free_mib"),
         min_host_mem_mib=numbers.get("min_host_mem_mib"),
         min_hugepages=numbers.get("min_hugepages"),
@@ -319,6 +349,7 @@ def judge(snapshot: Snapshot, query: ReadyQuery, now: float | None = None) -> Ve
         time.time() if now is None else now,
         checks=query.checks,
         devices=devices,
+        device_keys=query.device_keys,
         min_hbm_free_mib=query.min_hbm_free_mib,
         min_host_mem_mib=query.min_host_mem_mib,
         min_hugepages=query.min_hugepages,

@@ -52,6 +52,43 @@ HOST_MEM_BELOW_REQUEST = Reason(
     also=(Status.UNKNOWN,),
 )
 
+# /ready?pod=<namespace>/<name> (agent/readypod.py): the pod's devices come from the kubelet's ledger; when they
+# cannot be told the answer is not ready with one of these, unless the query gave devices= to fall back to.
+LEDGER_UNAVAILABLE = Reason(
+    "LedgerUnavailable",
+    Status.UNKNOWN,
+    "/ready?pod=: the kubelet's ledger (PodResources API) could not be read (no socket, the kubelet did not answer "
+    "in time or answered an error, nothing read yet), or cannot tell an Ascend pod's chips with Kubernetes off "
+    "(Volcano's real chips are in the pod list), so the pod's devices are unknown; never ready then",
+    "see npu.ledger / gpu.ledger in /status for the read's error; check kubernetes.pod_resources_socket and the "
+    "DaemonSet's /var/lib/kubelet/pod-resources mount; deploy/examples/preflight.sh asks about the whole node then",
+)
+LEDGER_STALE = Reason(
+    "LedgerStale",
+    Status.UNKNOWN,
+    "/ready?pod=: the last ledger read is too old to vouch for the pod's devices (a newer read was asked for and has "
+    "not finished: the kubelet is slow or hung); never ready then",
+    "retry in a few seconds; see npu.ledger / gpu.ledger in /status and the kubelet's health on the node",
+)
+POD_NOT_IN_LEDGER = Reason(
+    "PodNotInLedger",
+    Status.UNKNOWN,
+    "/ready?pod=: the kubelet's ledger, read within the last second, does not list this pod: a name or namespace "
+    "that is not the pod's, a pod on another node (the kubelet lists only its own node's pods), or one admitted "
+    "since that read; never ready then",
+    "retry once (a pod admitted just now is listed by the next read); else pass the pod's own namespace and name "
+    "(downward API: metadata.namespace, metadata.name) and ask the agent on the pod's node",
+)
+POD_DEVICES_UNKNOWN = Reason(
+    "PodDevicesUnknown",
+    Status.UNKNOWN,
+    "/ready?pod=: the ledger lists the pod's devices, but the agent cannot tell yet which of its devices they are "
+    "(a GPU id no gpu result names, a chip no npu result lists, or Volcano's huawei.com/AscendReal not in the "
+    "node's pod list yet); never ready then",
+    "retry in a few seconds (the npu and gpu results and the node's pod list catch up); or pass devices= as well, "
+    "which is judged instead",
+)
+
 AGENT_REASONS: tuple[Reason, ...] = (
     WARMING_UP,
     STALE,
@@ -59,6 +96,10 @@ AGENT_REASONS: tuple[Reason, ...] = (
     PROBE_ERROR,
     HBM_BELOW_REQUEST,
     HOST_MEM_BELOW_REQUEST,
+    LEDGER_UNAVAILABLE,
+    LEDGER_STALE,
+    POD_NOT_IN_LEDGER,
+    POD_DEVICES_UNKNOWN,
 )
 
 # No fresh result to judge by: never ready, and Kubernetes holds what the Node carries until one comes.

@@ -97,7 +97,8 @@ AGENT_LAYERS = (
     ("agent.timestamps", "agent.reasons"),
     ("agent.snapshot",),
     ("agent.ready",),
-    ("agent.state",),
+    ("agent.state", "agent.readypod"),
+    ("agent.httpanswers",),
     ("agent.http", "agent.metrics"),
 )
 

@@ -20,6 +20,11 @@
 #   HOST_IP, NODE_HEALTH_HOST_PORT
 #                                 when both are set, http://$HOST_IP:$NODE_HEALTH_HOST_PORT (the agent's host
 #                                 port, deploy/components/host-port) is asked first, NODE_HEALTH_URL second
+#   POD_NAMESPACE, POD_NAME       this pod (downward API: metadata.namespace, metadata.name): when both are set
+#                                 the agent judges exactly the devices the kubelet allocated to the pod (pod=),
+#                                 and the devices below are only its fallback. An agent that cannot read the
+#                                 kubelet's ledger is asked about the devices below instead, and one that predates
+#                                 pod= (it answers 400) is asked without it
 #   NODE_HEALTH_DEVICES           the devices this job uses: indices (0,1 or 0-3) or GPU UUIDs / MIG ids;
 #                                 default ASCEND_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES; empty, "all",
 #                                 "none" or "void": every device of the node counts
@@ -28,9 +33,10 @@
 #   NODE_HEALTH_CHECKS            only these categories or checks count (e.g. npu,storage); default all
 #   NODE_HEALTH_FAIL_OPEN         1: when no agent answers, warn and exit 0 instead of 3
 #   NODE_HEALTH_WAIT_SECONDS      how long to keep asking while the agent answers but cannot vouch yet (every
-#                                 reason WarmingUp: it has just started) or refuses for load; default 30, 0 not at
-#                                 all. A real not-ready answer is never waited out, and no answer at all still
-#                                 gives up after about 10 s
+#                                 reason WarmingUp: it has just started; or PodNotInLedger / PodDevicesUnknown: the
+#                                 pod's devices are not known yet) or refuses for load; default 30, 0 not at all.
+#                                 A real not-ready answer is never waited out, and no answer at all still gives up
+#                                 after about 10 s
 set -u
 set -f # no pathname expansion: URLs and device lists are split on purpose, never globbed
 
@@ -140,6 +146,7 @@ ask() {
     set -- --silent --noproxy '*' --proto '=http,https' --max-filesize 1048576 \
         --connect-timeout "$2" --max-time "$3" --header "Accept: $4" --get
     # curl encodes each value: a device list, a UUID or anything else reaches the agent as one parameter.
+    if [ "$USE_POD" = 1 ]; then set -- "$@" --data-urlencode "pod=$QUERY_POD"; fi
     if [ -n "$QUERY_DEVICES" ]; then set -- "$@" --data-urlencode "devices=$QUERY_DEVICES"; fi
     _hbm=${NODE_HEALTH_MIN_HBM_FREE_MIB:-}
     _host_mem=${NODE_HEALTH_MIN_HOST_MEM_MIB:-}
@@ -192,7 +199,28 @@ says_overloaded() { # 429, or node-health's refusal of a connection for load: 50
     return 1
 }
 
-warming_up_only() { # the not-ready text answer's reasons are all WarmingUp (the agent has just started)
+# waitable STATUS CHECK SUBJECT REASON: a reason the agent gives while it cannot vouch yet: WarmingUp (it has just
+# started), or for pod= the pod's devices not known yet (the kubelet's ledger, the npu and gpu results catching up)
+waitable() {
+    case $1:$2:$3:$4 in
+        unknown:*:-:WarmingUp:) return 0 ;;
+        unknown:ready.pod:*:PodNotInLedger: | unknown:ready.pod:*:PodDevicesUnknown:) return 0 ;;
+    esac
+    return 1
+}
+
+fallback_scope() { # what is asked when pod= cannot be: the devices given, else the whole node
+    if [ -n "$QUERY_DEVICES" ]; then printf 'devices %s' "$QUERY_DEVICES"; else printf 'every device of the node'; fi
+}
+
+ledger_unusable() { # a reason line says the agent cannot read the kubelet's ledger for pod=
+    case $ANSWER_BODY in
+        *"$NL"'unknown ready.pod '*' LedgerUnavailable: '* | *"$NL"'unknown ready.pod '*' LedgerStale: '*) return 0 ;;
+    esac
+    return 1
+}
+
+warming_up_only() { # every reason of the not-ready text answer is one to wait out (see waitable)
     _rest=${ANSWER_BODY#*"$NL"}
     if [ "$_rest" = "$ANSWER_BODY" ]; then return 1; fi
     _saved_ifs=$IFS
@@ -208,7 +236,7 @@ warming_up_only() { # the not-ready text answer's reasons are all WarmingUp (the
         esac
         # shellcheck disable=SC2086 # split on purpose: status, check, subject, reason
         set -- $_line
-        if [ "${1:-}" != unknown ] || [ "${3:-}" != - ] || [ "${4:-}" != WarmingUp: ]; then
+        if ! waitable "${1:-}" "${2:-}" "${3:-}" "${4:-}"; then
             IFS=$_saved_ifs
             return 1
         fi
@@ -218,7 +246,26 @@ warming_up_only() { # the not-ready text answer's reasons are all WarmingUp (the
     return 0
 }
 
-warming_up_in_json() { # the same question as JSON: is every "reason" WarmingUp?
+pod_not_known() { # the answer waited out is about this pod's devices, not the agent's warm-up
+    case $ANSWER_BODY in
+        *' PodNotInLedger: '* | *' PodDevicesUnknown: '*) return 0 ;;
+    esac
+    return 1
+}
+
+waiting_for() {
+    if pod_not_known; then
+        echo "this pod's devices are not known yet (the kubelet's ledger or the agent's results are catching up)"
+    else
+        echo "the agent is warming up (no result yet for some checks)"
+    fi
+}
+
+still_waiting() {
+    if pod_not_known; then echo "this pod's devices still not known"; else echo "still warming up"; fi
+}
+
+warming_up_in_json() { # the same question as JSON: is every "reason" one to wait out?
     _text_body=$ANSWER_BODY
     _text_url=$ANSWER_URL
     ask "$WARM_BASE" "$CONNECT_SECONDS" "$ANSWER_SECONDS" application/json
@@ -232,7 +279,7 @@ warming_up_in_json() { # the same question as JSON: is every "reason" WarmingUp?
             *) break ;;
         esac
         case $_json in
-            'WarmingUp"'*) _seen=1 ;;
+            'WarmingUp"'* | 'PodNotInLedger"'* | 'PodDevicesUnknown"'*) _seen=1 ;;
             *) return 1 ;;
         esac
     done
@@ -256,6 +303,12 @@ if [ ${#WAIT_SECONDS} -gt 4 ]; then
 fi
 
 QUERY_DEVICES=$(visible_devices)
+QUERY_POD=
+USE_POD=0
+if [ -n "${POD_NAMESPACE:-}" ] && [ -n "${POD_NAME:-}" ]; then
+    QUERY_POD=$POD_NAMESPACE/$POD_NAME
+    USE_POD=1
+fi
 CANDIDATES=
 if [ -n "${HOST_IP:-}" ] && [ -n "${NODE_HEALTH_HOST_PORT:-}" ]; then
     case $HOST_IP in
@@ -306,19 +359,26 @@ while :; do
                 fi
                 if [ "$ANSWER_CODE" = 503 ] && says_not_ready; then
                     WARM_BASE=$base
+                    if [ "$USE_POD" = 1 ] && ledger_unusable; then
+                        say "$ANSWER_URL answered 503: the agent cannot read the kubelet's ledger for this pod;" \
+                            "asking about $(fallback_scope) instead"
+                        printf '%s\n' "$ANSWER_BODY"
+                        USE_POD=0
+                        answered=1
+                        break
+                    fi
                     still=
                     if [ "$WAIT_SECONDS" -gt 0 ] && warming_up_only; then
                         if [ "$(date +%s)" -lt "$wait_until" ]; then
                             if [ -z "$warm_url" ]; then
-                                say "$ANSWER_URL answered 503: the agent is warming up (no result yet for some" \
-                                    "checks); asking again for up to ${WAIT_SECONDS} s"
+                                say "$ANSWER_URL answered 503: $(waiting_for); asking again for up to ${WAIT_SECONDS} s"
                             fi
                             warm_body=$ANSWER_BODY
                             warm_url=$ANSWER_URL
                             answered=1
                             break
                         fi
-                        still=" (still warming up after $(($(date +%s) - started)) s)"
+                        still=" ($(still_waiting) after $(($(date +%s) - started)) s)"
                     fi
                     say "$ANSWER_URL answered 503: this node is not ready for the job$still"
                     printf '%s\n' "$ANSWER_BODY"
@@ -328,6 +388,15 @@ while :; do
                 why="answered HTTP $ANSWER_CODE, but not as node-health does: ${ANSWER_BODY%%"$NL"*}"
                 ;;
             400)
+                case $USE_POD:$ANSWER_BODY in
+                    1:*"unknown parameter 'pod'"*) # an agent older than pod=: the devices, or the whole node
+                        say "$ANSWER_URL answered 400: this agent does not know pod= (an older release); asking" \
+                            "about $(fallback_scope) instead"
+                        USE_POD=0
+                        answered=1
+                        break
+                        ;;
+                esac
                 say "$ANSWER_URL answered 400: the agent refused the question (check the NODE_HEALTH_* values)"
                 printf '%s\n' "$ANSWER_BODY"
                 exit 2
@@ -356,9 +425,10 @@ done
 
 elapsed=$(($(date +%s) - started))
 if [ -n "$warm_url" ]; then
-    say "$warm_url answered 503: this node is not ready for the job (still warming up after ${elapsed} s)"
+    ANSWER_BODY=$warm_body
+    say "$warm_url answered 503: this node is not ready for the job ($(still_waiting) after ${elapsed} s)"
     printf '%s\n' "$warm_body"
-    annotate error "this node is not ready for the job: still warming up after ${elapsed} s (see Set up runner)"
+    annotate error "this node is not ready for the job: $(still_waiting) after ${elapsed} s (see Set up runner)"
     exit 1
 fi
 if [ -n "$overloaded" ]; then

@@ -87,7 +87,7 @@ def npu_ledger(read: LedgerRead, directory: PodDirectory | None, seen: FirstSeen
     view.index = directory.current() if directory is not None else None
     view.compare, view.why_not_compared = True, ""
     for pod, allocations in grants.items():
-        real, why = _real_chips(pod, allocations, view.index, seen, directory)
+        real, why = real_chips(pod, allocations, view.index, seen, directory)
         if why:
             view.compare, view.why_not_compared = False, why
         for allocation in real:
@@ -97,7 +97,7 @@ def npu_ledger(read: LedgerRead, directory: PodDirectory | None, seen: FirstSeen
     return view
 
 
-def _real_chips(
+def real_chips(
     pod: tuple[str, str],
     allocations: list[Allocation],
     index: PodIndex | None,

@@ -82,7 +82,13 @@ def test_defaults_print_valid_yaml_that_round_trips() -> None:
     config = parse_config(data, probes)
     assert set(data["probes"]) == set(probes)
     assert config.model_dump(exclude={"probes"}) == default_config().model_dump(exclude={"probes"})
-    assert data["http"] == {"address": "0.0.0.0", "port": 9100, "max_wait_seconds": 300.0}
+    assert data["http"] == {
+        "address": "0.0.0.0",
+        "port": 9100,
+        "metrics_port": 9101,
+        "status_on_main_port": True,
+        "max_wait_seconds": 300.0,
+    }
 
 
 def test_check_table_json_and_exit_codes(tmp_path: Path) -> None:

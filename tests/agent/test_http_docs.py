@@ -7,7 +7,7 @@ import re
 import pytest
 from support.system import REPO
 
-from agent import http, httplimits, httpserver, httpwire, metrics, ready
+from agent import http, httpanswers, httplimits, httpserver, httpwire, metrics, ready, readypod
 from agent.http import ready_text
 from agent.httplimits import FD_RESERVE, MAX_CONNECTIONS, Limits
 from agent.snapshot import Verdict
@@ -35,7 +35,7 @@ def stated_number(text: str) -> float:
 def code_value(name: str) -> float:
     if name in Limits.__dataclass_fields__:
         return float(getattr(Limits(), name))
-    for module in (http, httpserver, httplimits, httpwire, metrics, ready):
+    for module in (http, httpanswers, httpserver, httplimits, httpwire, metrics, ready, readypod):
         if hasattr(module, name):
             return float(getattr(module, name))
     raise AssertionError(f"docs/http.md names {name}, which the code does not have")
@@ -57,12 +57,13 @@ def test_every_limit_in_the_docs_is_the_code_default() -> None:
 
 @pytest.mark.parametrize(
     ("soft", "connections", "backlog"),
-    [(1 << 20, 1024, 1024), (20000, 1024, 1024), (1500, 933, 311), (1024, 576, 192), (300, 16, 64)],
+    [(1 << 20, 1024, 1024), (20000, 1024, 1024), (1500, 869, 311), (1024, 512, 192), (300, 16, 64)],
 )
 def test_the_fd_derived_limits_follow_the_stated_formula(soft: int, connections: int, backlog: int) -> None:
+    """Both ports' listen queues come out of the fd budget: the main port's and the metrics port's."""
     assert httplimits.default_backlog(soft) == backlog == max(64, min(1024, (soft - FD_RESERVE) // 4))
     assert httplimits.default_max_connections(soft) == connections
-    assert connections == max(16, min(MAX_CONNECTIONS, soft - FD_RESERVE - backlog))
+    assert connections == max(16, min(MAX_CONNECTIONS, soft - FD_RESERVE - backlog - httplimits.SECONDARY_BACKLOG))
 
 
 def test_the_fd_derived_limits_in_force_here() -> None:

@@ -37,6 +37,12 @@ def values() -> dict[str, Any]:
     return dict(yaml.safe_load((ARC / "runner-scale-set-values.yaml").read_text()))
 
 
+def assert_names_its_pod(env: dict[str, Any]) -> None:
+    """POD_NAMESPACE and POD_NAME from the downward API: preflight.sh asks /ready?pod= (docs/preflight.md)."""
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_runner_pod_template_validates_and_runs_the_hook_from_its_configmap(version: str) -> None:
     spec = values()["template"]["spec"]
@@ -50,6 +56,7 @@ def test_runner_pod_template_validates_and_runs_the_hook_from_its_configmap(vers
     assert env["ACTIONS_RUNNER_CONTAINER_HOOK_TEMPLATE"]["value"] == f"{mount['mountPath']}/hook-template.yaml"
     assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     assert int(env["NODE_HEALTH_WAIT_SECONDS"]["value"]) > 0
+    assert_names_its_pod(env)
     header = (ARC / "runner-scale-set-values.yaml").read_text()
     joined = re.sub(r"\\\n#\s+", "", header)  # the command's continuation line
     (command,) = [line for line in joined.splitlines() if "kubectl create configmap" in line]
@@ -71,6 +78,7 @@ def test_hook_template_adds_the_preflight_init_container(version: str) -> None:
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes[mount["name"]]["configMap"]["name"] == "node-health-preflight"
     assert init["command"] == ["/bin/sh", f"{mount['mountPath']}/preflight.sh"]
+    assert_names_its_pod({e["name"]: e for e in init["env"]})
 
 
 def reaper() -> list[dict[str, Any]]:

@@ -396,7 +396,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeNode, P
     with FakeNode(workdir / "node", fixtures) as node:
         stand_ins = StandInExporters(node.metrics_text(), node.node_name)
         others = stand_ins.jobs({"node": node.node_name, "cluster": CLUSTER})
-        prometheus = Prometheus(workdir, node.address, node.node_name, others)
+        # The metrics port, as the PodMonitor scrapes it (port `metrics`, http.metrics_port).
+        prometheus = Prometheus(workdir, f"127.0.0.1:{node.metrics_port}", node.node_name, others)
         try:
             prometheus.wait_ready()
             yield node, prometheus

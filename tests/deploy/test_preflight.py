@@ -55,7 +55,7 @@ class Agent:
 def agent_config(space_path: str) -> dict[str, Any]:
     """Only storage.space runs (every other probe off, whatever probes exist): its path decides the verdict."""
     return {
-        "http": {"address": "127.0.0.1", "port": 0},
+        "http": {"address": "127.0.0.1", "port": 0, "metrics_port": 0},
         "probes": {name: {"enabled": name == "storage.space"} for name in all_probes()},
         "storage": {"space": [{"path": space_path}]},
     }
@@ -398,11 +398,14 @@ def test_example_job_runs_the_script_from_its_configmap_with_the_node_address() 
     env = {e["name"]: e for e in init["env"]}
     assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     assert int(env["NODE_HEALTH_HOST_PORT"]["value"]) == component_host_port()
-    # The init container asks for the job's own devices, so the device plugin's *_VISIBLE_DEVICES is set there.
+    # The pre-flight names its pod (downward API), and the agent judges the devices the kubelet allocated to it:
+    # the init container asks for no devices, so it has no *_VISIBLE_DEVICES (tests/deploy/test_preflight_pod.py).
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     (train,) = pod["containers"]
-    for name, count in train["resources"]["limits"].items():
-        if "/" in name:
-            assert init["resources"]["limits"][name] == count
+    assert any("/" in name for name in train["resources"]["limits"]), "the job itself has devices"
+    for kind in ("requests", "limits"):
+        assert not [name for name in init["resources"][kind] if "/" in name], "the init container asks for none"
 
 
 def component_host_port() -> int:
@@ -454,8 +457,9 @@ PORT_OVERRIDE = """patches:
 def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path) -> None:
     assert all("hostPort" not in port for port in agent_ports(kustomize(REPO / "deploy"))), "opt-in only"
     docs = kustomize(overlay(tmp_path / "host-port", [HOST_PORT_COMPONENT]))
-    (port,) = agent_ports(docs)
+    port, metrics = agent_ports(docs)
     assert (port["name"], port["containerPort"], port["hostPort"], port["protocol"]) == ("http", 9100, 9123, "TCP")
+    assert metrics["name"] == "metrics" and "hostPort" not in metrics, "only the pre-flight port on the node's IP"
     assert port["hostPort"] != 9100, "node-exporter holds host port 9100 on most nodes"
     daemonset = by_kind(docs, "DaemonSet")
     assert "maxSurge" not in daemonset["spec"]["updateStrategy"].get("rollingUpdate", {}), "two pods, one port"
@@ -471,6 +475,6 @@ def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path
 @pytest.mark.system
 def test_host_port_is_changed_by_a_patch_after_the_component(tmp_path: Path) -> None:
     docs = kustomize(overlay(tmp_path / "other-port", [HOST_PORT_COMPONENT], PORT_OVERRIDE))
-    (port,) = agent_ports(docs)
+    port, _metrics = agent_ports(docs)
     assert (port["containerPort"], port["hostPort"]) == (9100, 9200)
     assert PORT_OVERRIDE in (REPO / "docs" / "preflight.md").read_text()

@@ -6,12 +6,15 @@
 - every hostPath the DaemonSet mounts is where the code reads (the shipped config points the host paths there and
   the probes read through them), no host file is mounted twice, /dev is read-only, and a device node on a
   read-only mount still opens read-write (what NVML does);
-- the network-policy component: the pre-flight port from everywhere, the metrics port from `monitoring` only.
+- the network-policy component: the pre-flight port from everywhere, the metrics port from `monitoring` only;
+- the ports the manifests name (DaemonSet, PodMonitor, Service, probes, policy) are the ones a real agent with the
+  shipped config opens, each serving what they expect, with and without the component.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -24,9 +27,10 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes.utils import parse_quantity
+from support.netservers import Netns
 from support.system import REPO, require_root, require_tool
 
-from agent.config import parse_config
+from agent.config import STATUS_ON_MAIN_PORT_ENV, parse_config
 from agent.version import __version__
 from probes import all_probes
 from probes.host.config import HostConfig
@@ -36,8 +40,6 @@ DEPLOY = REPO / "deploy"
 NETWORK_POLICY = DEPLOY / "components" / "network-policy"
 VERSIONS = [kubernetes_validate.utils.latest_version(), "1.30"]
 FLEET = 10_000
-# Mounted for a reader that is being added: the device ledger lists the kubelet's PodResources. Once code reads
-# the path, test_every_host_path_is_read_by_the_code fails until the entry is removed here.
 
 
 def kustomize(directory: Path) -> list[dict[str, Any]]:
@@ -132,6 +134,8 @@ def test_rollout_waits_for_each_new_pod_to_stay_ready(render: list[dict[str, Any
     assert daemonset["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
     container = agent_container(daemonset)
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # Ready once every probe has finished (or timed out in) its first run (docs/http.md, /started).
+    assert container["readinessProbe"]["httpGet"] == {"path": "/started", "port": "http"}
 
 
 # --- mounts ----------------------------------------------------------------------------------------------------
@@ -163,14 +167,13 @@ def test_every_host_path_is_read_by_the_code(render: list[dict[str, Any]]) -> No
     (daemonset,) = by_kind(render, "DaemonSet")
     config = parse_config(shipped_config(render), all_probes())
     host = Host.from_config(config.section(HostConfig))
-    read_through = {str(host.root): "root_path(", str(host.dev): "dev_path(", str(host.sys): "sys_path("}
-    # The kubelet's PodResources socket (the device plugins' ledger) is read where the config says it is.
-    read_through[str(Path(config.kubernetes.pod_resources_socket).parent)] = "pod_resources_socket"
+    read_through = {str(host.root): r"\.root_path\(", str(host.dev): r"\.dev_path\(", str(host.sys): r"\.sys_path\("}
+    # The kubelet's PodResources socket (the device ledger), read by the npu and gpu probes and /ready?pod=.
+    read_through[os.path.dirname(config.kubernetes.pod_resources_socket)] = r"kubernetes\.pod_resources_socket\b"
     code = code_text()
     for _, mount_path, _ in host_mounts(daemonset):
         assert mount_path in read_through, f"{mount_path} is mounted but the shipped config does not point there"
-        accessor = read_through[mount_path]
-        assert re.search(rf"\.{re.escape(accessor)}", code), f"no code reads through Host.{accessor}..)"
+        assert re.search(read_through[mount_path], code), f"no code reads {mount_path} ({read_through[mount_path]})"
 
 
 @pytest.mark.system
@@ -252,10 +255,101 @@ def test_network_policy_opens_the_preflight_to_all_and_metrics_to_monitoring(tmp
     assert "from" not in rules["http"], "/ready and /healthz from everywhere"
     (source,) = rules["metrics"]["from"]
     assert source == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    # Without the component nothing restricts the agent, and it has one port.
+    # The component turns /metrics and /status off on the port it opens to everyone.
+    assert {"name": STATUS_ON_MAIN_PORT_ENV, "value": "false"} in agent_container(daemonset)["env"]
+    # Without the component nothing restricts the agent, which keeps /status on 9100 too.
     plain = kustomize(DEPLOY)
     assert by_kind(plain, "NetworkPolicy") == []
-    assert [p["name"] for p in agent_container(by_kind(plain, "DaemonSet")[0])["ports"]] == ["http"]
+    assert STATUS_ON_MAIN_PORT_ENV not in {e["name"] for e in agent_container(by_kind(plain, "DaemonSet")[0])["env"]}
+
+
+PATHS = ("/ready", "/healthz", "/started", "/metrics", "/status")
+ASK_EACH_PORT = """
+import json, sys, time, urllib.error, urllib.request
+ports = json.loads(sys.argv[1])
+def status(port, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0
+deadline = time.monotonic() + 30
+while any(status(port, "/healthz") != 200 for port in ports) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(json.dumps({port: {path: status(port, path) for path in sys.argv[2:]} for port in ports}))
+"""
+
+
+def served_by_ports(
+    tmp_path: Path, http: dict[str, Any], env: dict[str, str], ports: list[int]
+) -> dict[int, dict[str, int]]:
+    """What `node-health run` with this http section and container env serves on each port: in a network
+    namespace of its own, so the manifests' fixed ports clash with nothing on this machine."""
+    require_root()
+    config = tmp_path / "config.yaml"
+    probes = {name: {"enabled": False} for name in all_probes()}
+    config.write_text(yaml.safe_dump({"http": http, "kubernetes": {"enabled": False}, "probes": probes}))
+    netns = Netns("nhports")
+    agent_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    agent = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            netns.name,
+            sys.executable,
+            "-m",
+            "agent.cli",
+            "run",
+            "--no-kube",
+            "--config",
+            str(config),
+        ],
+        cwd=REPO,
+        env=agent_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        done = netns.exec([sys.executable, "-c", ASK_EACH_PORT, json.dumps(ports), *PATHS])
+        assert done.returncode == 0, done.stderr
+        return {int(port): answers for port, answers in json.loads(done.stdout).items()}
+    finally:
+        agent.terminate()
+        agent.wait(10)
+        netns.close()
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("policy", [False, True], ids=["deploy", "network-policy"])
+def test_the_ports_the_manifests_name_are_the_ones_the_agent_opens(tmp_path: Path, policy: bool) -> None:
+    """kubectl apply -k deploy/ (or with the network-policy component): the DaemonSet's ports are the shipped
+    config's, the PodMonitor scrapes the one that serves /metrics, the Service and the kubelet's probes use the one
+    that serves /ready, and with the policy the port open to every pod serves no /metrics or /status."""
+    docs = kustomize(overlay(tmp_path / "policy", NETWORK_POLICY) if policy else DEPLOY)
+    (daemonset,) = by_kind(docs, "DaemonSet")
+    container = agent_container(daemonset)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    config = parse_config(shipped_config(docs), all_probes())
+    assert ports == {"http": config.http.port, "metrics": config.http.metrics_port}
+    monitor = yaml.safe_load((DEPLOY / "prometheus" / "podmonitor.yaml").read_text())
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (service,) = by_kind(docs, "Service")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    assert container["readinessProbe"]["httpGet"]["port"] == container["livenessProbe"]["httpGet"]["port"] == "http"
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    served = served_by_ports(tmp_path, shipped_config(docs)["http"], env, list(ports.values()))
+    main, metrics = served[ports["http"]], served[ports["metrics"]]
+    assert metrics == {"/ready": 404, "/healthz": 200, "/started": 200, "/metrics": 200, "/status": 200}
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert (main["/ready"], main["/healthz"], main["/started"]) == (200, 200, 200)
+    assert (main["/metrics"], main["/status"]) == ((404, 404) if policy else (200, 200))
+    if policy:
+        (network_policy,) = by_kind(docs, "NetworkPolicy")
+        everyone = [r["ports"][0]["port"] for r in network_policy["spec"]["ingress"] if "from" not in r]
+        assert everyone == ["http"] and all(served[ports[name]]["/status"] == 404 for name in everyone)
 
 
 # --- the release the manifests name ----------------------------------------------------------------------------

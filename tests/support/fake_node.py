@@ -217,6 +217,7 @@ class FakeNode:
         self.node_name = node_name
         self.interval = interval
         self.port = free_port()
+        self.metrics_port = free_port()  # /metrics and /status also answer on `port` (http.status_on_main_port)
         self.config_path = workdir / "node-health.yaml"
         self.log_path = workdir / "agent.log"
         self.kernel_log = kmsg_readable()
@@ -253,7 +254,7 @@ class FakeNode:
         schedule = {"interval_seconds": self.interval, "jitter_fraction": 0.0}
         config: dict[str, Any] = {
             "node_name": self.node_name,
-            "http": {"address": "127.0.0.1", "port": self.port},
+            "http": {"address": "127.0.0.1", "port": self.port, "metrics_port": self.metrics_port},
             "logging": {"level": "warning"},
             "health": {"fail_threshold": 1, "recovery_threshold": 1},
             "probes": {
