@@ -32,8 +32,8 @@ RUN /opt/node-health/bin/pip install --no-cache-dir --disable-pip-version-check 
 # Final stage: python3, util-linux (nsenter) and the CA bundle (egress TLS checks), no compilers, no pip.
 FROM ${BASE}
 # util-linux is Essential in Debian (so nsenter is already there); naming it states the dependency.
-# hadolint ignore=DL3008
 # The interpreter's regression-test support and pydoc's help texts are not for a daemon: nothing imports them.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 util-linux ca-certificates \
     && rm -rf /var/lib/apt/lists/* /usr/lib/python3.*/test /usr/lib/python3.*/pydoc_data \
