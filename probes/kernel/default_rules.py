@@ -15,8 +15,12 @@ GPU_FATAL_XIDS = ("48", "63", "64", "74", "79", "92", "94", "95")
 # dev_printk's "<driver> <device>: " (pcieport 0000:00:01.0: AER: ..., nvidia 0000:3b:00.0: PCIe Bus Error: ...).
 DEVICE_PREFIX = r"^\S+ \S+: "
 # drv_printk's "[ascend] [module] [function line] ", then the task it runs for, "<name:pid:tid> ": skipped to
-# its last ":pid:tid> ", so a task name holding a fault's words is never what a rule reads.
-ASCEND_PREFIX = r"^\[ascend\] (?:\[ERROR\] )?\[[^\]]+\] \[[^\]]+\] (?:<.*:\d+:\d+> |(?!<))"
+# the line's last ":pid:tid> ", so a task name holding a fault's words is never what a rule reads. The prefix is
+# an atomic group: once it has matched, a rule that fails on the rest cannot backtrack into it, neither to an
+# earlier ":pid:tid> " inside the name (<:1:1> heartbeat:4242:4243>) nor to skipping the optional "[ERROR] ",
+# which reads [ERROR] as the module and the module as the function and leaves the whole "<name:pid:tid> " to
+# the rule.
+ASCEND_PREFIX = r"^(?>\[ascend\] (?:\[ERROR\] )?\[[^\]]+\] \[[^\]]+\] (?:<.*:\d+:\d+> |(?!<)))"
 # Loop devices hold images (CI runners, snaps, containers' filesystems): their errors are not the node's disks'.
 NOT_LOOP = r"(?!loop\d)"
 
