@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from probes.base import Finding, ProbeContext, ProbeOutput, Reason, Status
+from probes.runtime.holders import Holder, PodNames, stop_command
+from probes.runtime.procfs import process_info
 from probes.runtime.procstat import parse_stat
 from probes.storage.common import reserve_seconds, safe_text
 from probes.storage.config import StorageConfig
@@ -46,7 +48,8 @@ LOCK_HELD_BY_HUNG_PROCESS = Reason(
     "a flock-style lock file is held by a process that is stopped (state T) or has made no progress (CPU time, "
     "I/O) since the previous run, and other processes wait behind it (blocked in /proc/locks, or polling it)",
     "the holder (named with the waiters) is stopped or hung, e.g. a download on a dead connection: resume it "
-    "(kill -CONT PID) or end it (kill PID, or delete its pod); the lock is released with it and a waiter takes it",
+    "(kill -CONT PID) or end it (kill PID, kubectl delete pod for a pod's, podman stop ID for a podman "
+    "container's: the finding gives the command); the lock is released with it and a waiter takes it",
 )
 LEFTOVER_REASONS = (STALE_FILE_LOCK, LOCK_HELD_BY_HUNG_PROCESS)
 _STOPPED_STATES = ("T", "t")
@@ -153,25 +156,36 @@ def stale_file_lock_finding(
     return LOCKS.report(STALE_FILE_LOCK, subject, message, observed, hint=hint, status=status)
 
 
+def end_command(ctx: ProbeContext, pid: int) -> str:
+    """How to end a lock's holder, as the device and port holders are told to stop: `kubectl delete pod` (or
+    crictl stopp when the pod's name is unknown) for a pod's process, the runtime's CLI (`podman stop ID`) for a
+    container Kubernetes does not run, systemctl stop for a service, else `kill PID`."""
+    info = process_info(ctx.host.proc, pid, with_command=False)
+    if info is None:
+        return f"kill {pid}"
+    return stop_command(Holder(info, PodNames(ctx.host.root).pod(info.cgroup)))
+
+
 def hung_holder_finding(
     subject: str,
     lock: LockFile,
     holder: Mapping[str, Any],
+    end: str,
     why: str,
     waiters: Sequence[Mapping[str, Any]],
     now: float,
     describe: Any,
     extra: Mapping[str, Any] | None = None,
 ) -> Finding:
+    """LockHeldByHungProcess; `end` is the command that ends the holder (end_command)."""
     pid = holder["pid"]
     message = (
         f"{safe_text(lock.path)} is locked by {describe(holder)}, {why}, and {len(waiters)} process(es) wait "
         f"behind it: {named(waiters, describe)}"
     )
-    where = f"delete its pod ({holder['owner']})" if holder.get("owner") else f"kill {pid}"
     hint = (
         f"the holder is stopped or hung (a download on a dead connection, a stopped process): resume it (kill -CONT "
-        f"{pid}) or end it ({where}); the lock goes with it and a waiter takes it. node-health diagnose {pid} shows "
+        f"{pid}) or end it ({end}); the lock goes with it and a waiter takes it. node-health diagnose {pid} shows "
         "its stack"
     )
     observed = {**lock.brief(now), **(extra or {}), "holder": dict(holder), "why": why, "waiters": list(waiters[:20])}
@@ -253,9 +267,12 @@ def leftover_findings(
         behind += [entry for entry in waiters.get(subject, []) if entry["pid"] not in known]
         if behind:
             holder = describe_process(ctx, item.holder, item.lock.path)
+            end = end_command(ctx, item.holder)
             extra = where_observed(item.group)
             out.append(
-                hung_holder_finding(subject, item.lock, holder, item.why, behind, evidence.now, describe_waiter, extra)
+                hung_holder_finding(
+                    subject, item.lock, holder, end, item.why, behind, evidence.now, describe_waiter, extra
+                )
             )
             item.group.count("own_subject")
     return out

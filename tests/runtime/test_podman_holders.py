@@ -1,15 +1,19 @@
 """Holders in real podman containers (runc, the cgroupfs manager: `/libpod_parent/libpod-<id>`): a container
 holding a mknod'ed NPU or GPU device node, one listening on an HCCL port, one with a stale torch lock in its own
-filesystem. Each finding names the podman container and gives `podman stop` (or `podman exec`), never `kill
-PID` for a container's process nor `kubectl exec` for a container Kubernetes does not run."""
+filesystem, one stopped while it holds a flock a host process waits on. Each finding names the podman container
+and gives `podman stop` (or `podman exec`), never `kill PID` for a container's process nor `kubectl exec` or
+`kubectl delete pod` for a container Kubernetes does not run."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +22,7 @@ import pytest
 from support.fake_npu_smi import FakeSmi, context, make_dev, run_probe, table
 from support.pod_cgroups import idle_devices
 from support.podman_containers import Container, busybox_rootfs, holds_fd, podman_container
-from support.system import require
+from support.system import require, require_tool
 
 from agent.config import parse_config
 from agent.scheduler import probe_context
@@ -137,3 +141,84 @@ def test_stale_lock_in_a_podman_container_names_it_and_removes_through_podman(tm
     assert f"podman exec {container.short_id} rm {build}/lock" in stale.hint
     assert "kubectl" not in stale.hint
     assert stale.observed["container_id"] == container.id and stale.observed["runtime"] == "podman"
+
+
+# Takes a flock on its argument and keeps it (busybox has no flock applet).
+FLOCK_HOLDER_C = """
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    int fd = open(argv[1], O_RDWR | O_CREAT, 0644);
+    if (fd < 0 || flock(fd, LOCK_EX) != 0) return 1;
+    for (;;) pause();
+}
+"""
+# A host process blocked in flock(2) behind the container's lock: `->` in /proc/locks.
+BLOCKED_WAITER = "import fcntl, os, sys; fcntl.flock(os.open(sys.argv[1], os.O_RDWR), fcntl.LOCK_EX)"
+
+
+def _flock_holder(rootfs: Path) -> None:
+    """/bin/flock-hold in `rootfs`, with the shared libraries it links."""
+    gcc = require_tool("gcc")
+    source = rootfs.parent / "flock-hold.c"
+    source.write_text(FLOCK_HOLDER_C)
+    binary = rootfs / "bin" / "flock-hold"
+    subprocess.run([gcc, "-O0", "-o", str(binary), str(source)], check=True, timeout=120)
+    linked = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=False).stdout
+    for library in {word for word in linked.split() if word.startswith("/")}:
+        target = rootfs / library.lstrip("/")
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(library).resolve(), target)
+
+
+def _flock_of(pid: int, blocked: bool) -> bool:
+    """Whether /proc/locks shows a flock of `pid` (`1: FLOCK ADVISORY WRITE PID ...`), held or, `blocked`,
+    waited for (`1: -> FLOCK ...`)."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        waiting = fields[1:2] == ["->"]
+        rest = fields[2:] if waiting else fields[1:]
+        if waiting == blocked and rest[:1] == ["FLOCK"] and rest[3:4] == [str(pid)]:
+            return True
+    return False
+
+
+def _holds_flock(container: Container) -> bool:
+    return _flock_of(container.pid, blocked=False)
+
+
+def test_a_flock_held_by_a_stopped_podman_container_is_ended_with_podman_stop(tmp_path: Path) -> None:
+    rootfs = busybox_rootfs(tmp_path / "rootfs")
+    _flock_holder(rootfs)
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    path = locks / "held.lock"
+    glob = f"{locks}/*.lock"
+    script = "exec /bin/flock-hold /locks/held.lock"
+    with podman_container(
+        rootfs, script, "--network=none", f"--volume={locks}:/locks", ready=_holds_flock
+    ) as container:
+        _podman_owner(container)
+        os.kill(container.pid, signal.SIGSTOP)  # hung while it holds the lock
+        waiter = subprocess.Popen([sys.executable, "-c", BLOCKED_WAITER, str(path)])
+        try:
+            deadline = time.monotonic() + 10
+            while not _flock_of(waiter.pid, blocked=True):
+                assert waiter.poll() is None and time.monotonic() < deadline, "the waiter never blocked"
+                time.sleep(0.05)
+            config = parse_config({"storage": {"lock_globs": [glob], "stale_lock_age_seconds": 3600}})
+            output = LocksProbe().run(ProbeContext(Host(), config, 20.0))
+        finally:
+            waiter.kill()
+            waiter.wait(10)
+    findings = {f.subject: f for f in output if isinstance(f, Finding)}
+    hung = findings[f"{glob}: {path}"]
+    assert (hung.status, hung.reason) == (Status.WARN, "LockHeldByHungProcess"), hung
+    label = f"podman container {container.short_id} outside Kubernetes"
+    assert f"locked by pid {container.pid} (flock-hold, {label})" in hung.message, hung.message
+    assert "stopped (state T)" in hung.message and f"pid {waiter.pid}" in hung.message
+    assert f"end it (podman stop {container.short_id})" in hung.hint, hung.hint
+    assert f"kill {container.pid}" not in hung.hint and "pod" not in hung.hint.replace("podman", ""), hung.hint
+    assert hung.observed["holder"]["container_id"] == container.id

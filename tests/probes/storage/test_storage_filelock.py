@@ -3,7 +3,9 @@
 - a SoftFileLock whose holder was SIGKILLed leaves an empty file (3.13 writes nothing into it): harmless until a
   process polls it, then StaleFileLock naming the waiter, with the real path to remove;
 - a FileLock (flock) held by a stopped process, or by one that makes no progress between two runs, with a
-  FileLock poller and a blocking flock waiter behind it: LockHeldByHungProcess naming holder and waiters.
+  FileLock poller and a blocking flock waiter behind it: LockHeldByHungProcess naming holder and waiters, and
+  ending the holder with `kill PID` on the host, `kubectl delete pod` in a pod (in a podman container:
+  tests/runtime/test_podman_holders.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.pod_cgroups import containerd_bundle, pod_cgroups
 from support.system import require_root, require_tool
 
 from agent.config import parse_config
@@ -89,10 +92,10 @@ def age(path: Path, seconds: float = 2 * HOUR) -> None:
     os.utime(path, (then, then))
 
 
-def run_locks(glob: str, probe: LocksProbe) -> dict[str, Finding]:
+def run_locks(glob: str, probe: LocksProbe, host: Host | None = None) -> dict[str, Finding]:
     # Room for every Python process of a busy machine that polls something: the waiters must be among them.
     storage = {"lock_globs": [glob], "stale_lock_age_seconds": HOUR, "lock_waiter_max_processes": 32}
-    output = probe.run(ProbeContext(Host(), parse_config({"storage": storage}), 20.0))
+    output = probe.run(ProbeContext(host or Host(), parse_config({"storage": storage}), 20.0))
     return {f.subject: f for f in output if isinstance(f, Finding)}
 
 
@@ -157,6 +160,31 @@ def test_an_empty_softfilelock_left_by_a_killed_holder_is_stale_once_a_process_p
 
 
 @pytest.mark.system
+def test_an_unparseable_lock_file_polled_by_a_softfilelock_waiter_is_stale(tmp_path: Path) -> None:
+    """A pid with no hostname after it (a record cut short, not the `<pid>\\n<hostname>` newer filelocks write)
+    is no SoftFileLock record: judged as the empty file is, once a process polls it."""
+    locks = tmp_path / "hub" / ".locks" / "models--org--model-7b"
+    locks.mkdir(parents=True)
+    path = locks / "cut.lock"
+    glob = f"{tmp_path}/hub/.locks/*/*.lock"
+    subject = f"{glob}: {path}"
+    path.write_bytes(b"4242\n")
+    age(path)
+    probe = LocksProbe()
+    with children() as started:
+        quiet = run_locks(glob, probe)
+        assert subject not in quiet and quiet[glob].observed["flock_unlocked"] == 1  # nobody polls it: harmless
+        waiter = Child("soft-wait", path)
+        started.append(waiter)
+        stale = until(showing(glob, subject, probe))[subject]
+        assert (stale.status, stale.reason) == (Status.FAIL, "StaleFileLock"), stale
+        assert f"{path}: an unparseable lock file" in stale.message and f"pid {waiter.pid} (python" in stale.message
+        assert f"remove it (rm {path})" in stale.hint
+        path.unlink()  # the fix: the waiter takes the lock and ends
+        assert waiter.proc.wait(10) == 0
+
+
+@pytest.mark.system
 def test_a_flock_held_by_a_stopped_process_with_waiters_behind_it(tmp_path: Path) -> None:
     locks = tmp_path / "hub" / ".locks" / "models--org--model-7b"
     locks.mkdir(parents=True)
@@ -207,3 +235,34 @@ def test_a_flock_holder_that_makes_no_progress_between_two_runs_is_hung(tmp_path
         hung = until(showing(glob, subject, probe))[subject]
         assert (hung.status, hung.reason) == (Status.WARN, "LockHeldByHungProcess"), hung
         assert "no progress for" in hung.message and f"pid {poller.pid}" in hung.message
+
+
+@pytest.mark.system
+def test_a_flock_held_by_a_stopped_process_in_a_pod_is_ended_by_deleting_the_pod(tmp_path: Path) -> None:
+    """The holder in a pod's cgroup, the pod's name in containerd's bundle under the host root: the hint deletes
+    the pod by name (killing its process would only have the kubelet restart the container)."""
+    root = tmp_path / "host"
+    locks = root / "hub" / ".locks" / "models--org--model-7b"
+    locks.mkdir(parents=True)
+    path = locks / "pod.lock"
+    glob = "/hub/.locks/*/*.lock"
+    subject = f"{glob}: /hub/.locks/models--org--model-7b/pod.lock"
+    with pod_cgroups(1) as (pod,), children() as started:
+        containerd_bundle(root, pod.container_id, "ml", "trainer-0", "main")
+        holder = Child("flock-hold", path)
+        started.append(holder)
+        pod.add(holder.pid)
+        os.kill(holder.pid, signal.SIGSTOP)
+        blocked = Child("block", path)
+        started.append(blocked)
+
+        def shows_it() -> dict[str, Finding] | None:
+            findings = run_locks(glob, LocksProbe(), Host(root=root))
+            hung = findings.get(subject)
+            return findings if hung and hung.observed["waiters"] else None
+
+        hung = until(shows_it)[subject]
+        assert (hung.status, hung.reason) == (Status.WARN, "LockHeldByHungProcess"), hung
+        assert f"locked by pid {holder.pid} (python" in hung.message and f"pod {pod.uid}" in hung.message
+        assert "end it (kubectl delete pod -n ml trainer-0)" in hung.hint, hung.hint
+        assert f"kill {holder.pid}" not in hung.hint and "podman" not in hung.hint
