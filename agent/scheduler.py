@@ -17,7 +17,17 @@ from dataclasses import dataclass
 from agent.config import Config
 from agent.reasons import PROBE_ERROR, PROBE_TIMEOUT
 from agent.state import HealthSettings, HealthState, ProbeSpec
-from probes.base import PARSE_ERROR, Check, Finding, Probe, ProbeContext, ProbeParseError, Reason, Sample, Status
+from probes.base import (
+    NOT_APPLICABLE,
+    PARSE_ERROR,
+    Check,
+    Finding,
+    Probe,
+    ProbeContext,
+    ProbeParseError,
+    Reason,
+    Sample,
+)
 from probes.network.config import NetworkConfig
 from probes.runtime.host import Host
 from probes.runtime.podresources.pods import KubeletAccess, PodDirectory
@@ -112,7 +122,8 @@ def execute(
     try:
         skip_reason = probe.applicable(ctx)
         if skip_reason:
-            return "skip", [Finding(c, "", Status.SKIP, "NotApplicable", skip_reason) for c in probe.checks], []
+            skipped = [Finding(c, "", NOT_APPLICABLE.status, NOT_APPLICABLE.code, skip_reason) for c in probe.checks]
+            return "skip", skipped, []
         findings, samples = split_output(probe, probe.run(ctx))
         return "ok", findings, samples
     except ProbeParseError as exc:
