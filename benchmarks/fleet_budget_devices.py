@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kubernetes.client
-from fleet_budget import REPO, add_nodes, finish, print_run, simulate, traffic
+from fleet_sim import REPO, add_nodes, finish, print_run, simulate, traffic
 from support.kube_double import ApiDouble
 from support.kube_dra import add_resource_slice
 from support.kube_helpers import Clock, health_state
