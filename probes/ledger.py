@@ -10,8 +10,9 @@ from probes.runtime.podresources.client import LedgerRead
 POD_RESOURCES_UNAVAILABLE = Reason(
     "PodResourcesUnavailable",
     Status.UNKNOWN,
-    "the kubelet's PodResources API did not answer within kubernetes.pod_resources_timeout_seconds, answered an "
-    "error (UNAVAILABLE, RESOURCE_EXHAUSTED) or sent what is not a ledger; the holder checks stand without it",
+    "the kubelet's PodResources API had not answered by the end of the probe's run (a quarter second after its own "
+    "checks; the read goes on), did not answer within kubernetes.pod_resources_timeout_seconds, answered an error "
+    "(UNAVAILABLE, RESOURCE_EXHAUSTED) or sent what is not a ledger; the holder checks stand without it",
     "check the kubelet (`systemctl status kubelet`), the socket kubernetes.pod_resources_socket and the DaemonSet's "
     "pod-resources mount; the message names the error",
 )

@@ -1,9 +1,10 @@
 """gpu.health, gpu.throttle, gpu.memory, gpu.holders: NVIDIA GPUs through NVML, nvidia-smi as the fallback.
 
 One run reads every GPU once (probes/gpu/backends.py: one NVML pass, or `nvidia-smi -q` plus one CSV query),
-then scans /proc/*/fd for holders of /dev/nvidiaN while a child reads the device plugin's ledger (gpu.ledger,
-probes/gpu/ledger_findings.py). NVML calls run in this probe's thread: a wedged GPU can block
-one for a long time, and the scheduler's probe timeout is what bounds the run (docs/probes/gpu.md, Backends).
+then scans /proc/*/fd for holders of /dev/nvidiaN, while a child reads the device plugin's ledger from the run's
+start (gpu.ledger, probes/gpu/ledger_findings.py; unknown for the run when the kubelet has not answered by then).
+NVML calls run in this probe's thread: a wedged GPU can block one for a long time, and the scheduler's probe
+timeout is what bounds the run (docs/probes/gpu.md, Backends).
 
 Every finding about one GPU carries its UUID and its MIG devices' UUIDs in observed["device_ids"], so
 `/ready?devices=GPU-…` works; every run publishes the GPUs' PCI Bus-Ids to the host's device inventory.
@@ -44,7 +45,7 @@ from probes.gpu.reasons import (
     REASONS,
 )
 from probes.runtime.holders import PodNames
-from probes.runtime.podresources.client import ledger_source
+from probes.runtime.podresources.client import PendingRead, ledger_source
 
 NO_DRIVER = "no NVIDIA driver on this host"
 _DEVICE_NODE = re.compile(r"^nvidia(\d+)$")
@@ -94,6 +95,8 @@ class GpuProbe(Probe):
         tools = find_tools(ctx, cfg)
         if not tools.any:
             return _tool_missing(expected, minors, tools)
+        # The device plugin's ledger is read in a child while the GPUs are read and their holders scanned.
+        pending = ledger_source(ctx.kubelet.socket).start(ctx.kubelet.timeout)
         inventory = read_inventory(ctx, cfg, tools)
         if isinstance(inventory, Unavailable):
             return _unavailable(expected, inventory)
@@ -101,17 +104,18 @@ class GpuProbe(Probe):
             message = f"{inventory.source} reports no NVIDIA GPU on this host"
             return [check.report(NOT_APPLICABLE, "", message) for check in CHECKS]
         ctx.host.devices.publish("gpu", [(g.index, g.subject, g.bus_id) for g in inventory.gpus if g.bus_id])
-        return self._judge(ctx, cfg, inventory, minors)
+        return self._judge(ctx, cfg, inventory, minors, pending)
 
-    def _judge(self, ctx: ProbeContext, cfg: GpuConfig, inventory: GpuInventory, minors: list[int]) -> ProbeOutput:
+    def _judge(
+        self, ctx: ProbeContext, cfg: GpuConfig, inventory: GpuInventory, minors: list[int], pending: PendingRead
+    ) -> ProbeOutput:
         if self._pod_names is None or self._pod_names.root != ctx.host.root:
             self._pod_names = PodNames(ctx.host.root)
         findings: list[Finding] = list(missing_findings(inventory, minors, cfg.expected_gpus))
         samples: list[Sample] = []
-        # The device plugin's ledger is read in a child while the holder scan runs.
-        pending = ledger_source(ctx.kubelet.socket).start(ctx.kubelet.timeout)
         scan = scan_gpu_holders(ctx, cfg, inventory.gpus, self._pod_names)
-        view = gpu_ledger(pending.result(ctx.deadline - 0.5), inventory.gpus, ctx.kubelet.pods)
+        # What the ledger read has by now: a kubelet that has not answered leaves it unknown, never the run late.
+        view = gpu_ledger(pending.collect(ctx.deadline - 0.5), inventory.gpus, ctx.kubelet.pods)
         for gpu in inventory.gpus:
             holders = holders_of(gpu, scan)
             verdict = ledger_verdict(view, gpu, holders, cfg.mps_server_commands)

@@ -9,8 +9,9 @@
 - npu.holders: processes holding the NPU device nodes (matched by device number, so a container's own
   /dev/davinci0 counts) merged with npu-smi's process list, classified by cgroup: outside a pod → fail,
   two pods on one chip → fail, a pod on a chip the device plugin's ledger gave to no pod or another → fail.
-- npu.ledger: the device plugin's ledger (the kubelet's PodResources API, read in a child while the rest runs):
-  who each chip is allocated to, and the chips the plugin no longer offers (probes/npu/ledger_findings.py).
+- npu.ledger: the device plugin's ledger (the kubelet's PodResources API, read in a child while the rest runs,
+  unknown for the run when the kubelet has not answered by its end): who each chip is allocated to, and the chips
+  the plugin no longer offers (probes/npu/ledger_findings.py).
 
 Detail queries (`-m`, `-t health`, `-t proc-mem`) are not supported everywhere: when one fails, what the
 main table said stands, and the failure is noted in the finding's observed data. Every run publishes the
@@ -147,8 +148,9 @@ class NpuProbe(Probe):
     def run(self, ctx: ProbeContext) -> ProbeOutput:
         settings = ctx.settings(NpuConfig)
         davinci = davinci_numbers(ctx.host.dev)
-        # The ledger read runs in a child meanwhile; the fd scan first: it is quick, and a hung npu-smi must not
-        # starve it of its deadline.
+        # The ledger read runs in a child meanwhile, taken when the run's own checks are done (a kubelet that has
+        # not answered by then leaves it unknown, never the run late); the fd scan first: it is quick, and a hung
+        # npu-smi must not starve it of its deadline.
         pending = ledger_source(ctx.kubelet.socket).start(ctx.kubelet.timeout)
         scan = self._scan(ctx, settings)
         info, table_findings = self._table(ctx, settings, davinci)
@@ -159,7 +161,7 @@ class NpuProbe(Probe):
             chips, judged = self._judge_table(ctx, settings, info, davinci, proc_mem_errors)
             out.extend(judged)
         holders = self._holders(ctx, scan, chips)
-        view = npu_ledger(pending.result(ctx.deadline - 0.5), ctx.kubelet.pods, self._first_seen)
+        view = npu_ledger(pending.collect(ctx.deadline - 0.5), ctx.kubelet.pods, self._first_seen)
         numbers = sorted({c.device_number for c in chips if c.device_number is not None} | set(davinci))
         if chips:
             held = numbers_held_by_fd(holders)

@@ -142,9 +142,11 @@ def test_last_read_is_what_the_agent_serves_pod_devices_from() -> None:
     with FakeKubelet() as kubelet:
         kubelet.allocate("team-a", "train-0", "worker", "huawei.com/Ascend910", "Ascend910-1", "Ascend910-2")
         assert last_read(kubelet.socket) is None
+        started = time.monotonic()
         pending = ledger_source(kubelet.socket).start(2.0)
         read = pending.result()
         assert read.ok and last_read(kubelet.socket) is read
+        assert started <= read.read_mono <= time.monotonic(), "its age is judged on the monotonic clock"
         devices = [a.device_id for a in pod_devices(read.ledger, "team-a", "train-0")]
         assert devices == ["Ascend910-1", "Ascend910-2"]
         assert read.observed()["ledger"] == "ok"
@@ -176,6 +178,27 @@ def test_one_reader_child_serves_the_reads_and_a_broken_one_is_replaced() -> Non
         reader.close()
     finally:
         hung.close()
+
+
+@pytest.mark.system
+def test_collecting_waits_for_the_reader_childs_start_up_and_then_only_the_grace() -> None:
+    """What a probe run takes at its end: a reader child still starting is the agent's own start-up, waited for
+    (within its allowance); from when the request is with the child, a kubelet that does not answer gets only the
+    grace, and the read is unknown for the run (PENDING) while it goes on."""
+    with FakeKubelet(mode="hang") as hung:
+        source = ledger_source(hung.socket)
+        pending = source.start(1.0)
+        read = pending.collect(time.monotonic() + 10.0, grace=0.01)  # far less than the child's start-up
+        assert (read.state, read.code) == ("unknown", "PENDING"), read.why
+        asked = source._asked_at
+        assert asked is not None and source.reader_starts == 1  # given up only once the request was with the child
+        assert source.last() is None  # the read goes on
+        started = time.monotonic()
+        again = source.start(1.0).collect(time.monotonic() + 10.0, grace=0.05)  # the read in flight, joined
+        assert again.code == "PENDING" and time.monotonic() - started < 0.5
+        assert source.reads == 1
+        done = pending.result(time.monotonic() + 5.0)
+        assert (done.state, done.code) == ("unknown", "TIMEOUT")  # the child's own deadline answered
 
 
 def test_a_socket_that_is_not_one_and_a_missing_one(tmp_path: Path) -> None:

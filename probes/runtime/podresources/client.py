@@ -1,20 +1,27 @@
 """Reading the ledger from the agent: the reader child (`reader.py`) asked in the background, its answer shared.
 
-`ledger_source(socket, timeout).start()` begins a read at once (a probe starts it before its /proc scan and
-tool calls, so the two overlap) and returns a handle; `handle.result(deadline)` waits for the answer, at most
-until the read's own deadline or the caller's, whichever comes first. One read is in flight per socket at a
-time, and a read that finished less than `MIN_SECONDS_BETWEEN_READS` ago is reused rather than repeated: the npu
-and gpu probes running together make one read, and no probe makes more than one per run. A read is two calls
-(List, GetAllocatableResources), so the agent stays far below the kubelet's rate limit (100 QPS, burst 10).
+`ledger_source(socket).start(timeout)` begins a read at once (a probe starts it at the start of its run, so the
+read overlaps the /proc scan and the tool calls) and returns a handle. `handle.collect(deadline)` is what a probe
+run takes once its own checks are done: the answer if it is back, else it waits at most `COLLECT_GRACE_SECONDS`
+for the kubelet (and for a reader child still starting, which is the agent's own start-up, not the kubelet's);
+a read not back by then leaves the ledger unknown for this run (code PENDING), so a hung or slow kubelet delays
+no probe run by more than the grace. `handle.result(deadline)` waits for the answer itself, at most until the
+read's own deadline or the caller's, whichever comes first (`/ready?pod=`, tests). One read is in flight per
+socket at a time, and a read that finished less than `MIN_SECONDS_BETWEEN_READS` ago is reused rather than
+repeated: the npu and gpu probes running together make one read, and no probe makes more than one per run. A
+read is two calls (List, GetAllocatableResources), so the agent stays far below the kubelet's rate limit (100
+QPS, burst 10).
 
 The child stays up between reads (`ReaderProcess`: one per socket, started at the first read, asked over a pipe):
-a read costs it a few milliseconds instead of an interpreter start and the client's imports (~0.1 s of CPU). A
-child that does not answer by the read's deadline, answers garbage or exits is killed and started anew at the
-next read; it exits by itself when the agent goes (its stdin closes) or after ten idle minutes.
+a read costs it a few milliseconds instead of an interpreter start and the client's imports (~0.1 s of CPU). It
+says `ready` once its imports are done, so the agent can tell its start-up from the kubelet's answer. A child
+that does not start within `STARTUP_ALLOWANCE_SECONDS`, does not answer by the read's deadline, answers garbage
+or exits is killed and started anew at the next read; it exits by itself when the agent goes (its stdin closes)
+or after ten idle minutes.
 
 The outcome is a `LedgerRead`: ok (the ledger), skip (no socket: no kubelet here, or the directory is not
 mounted) or unknown (the kubelet did not answer in time, answered UNAVAILABLE or RESOURCE_EXHAUSTED, or sent
-something that is not a ledger). `last_read(socket)` is the latest outcome, for the agent to serve.
+something that is not a ledger). `last_read(socket)` is the latest finished outcome, for the agent to serve.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +47,11 @@ READER = Path(__file__).resolve().parent / "reader.py"
 MIN_SECONDS_BETWEEN_READS = 1.0
 # The child's interpreter and imports (~0.1 s of CPU) before its first call; on a loaded node, more.
 STARTUP_ALLOWANCE_SECONDS = 2.0
+# What a probe run waits for the kubelet's answer once its own checks are done: a healthy kubelet has answered
+# long before (a read is ~10 ms, started at the run's start); a hung one costs the run no more than this.
+COLLECT_GRACE_SECONDS = 0.25
 MAX_ANSWER_BYTES = 8 << 20
+READY = "ready\n"  # the serving child's first line, once its imports are done
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,8 @@ class LedgerRead:
     ledger: Ledger | None = None
     code: str = ""  # why not ok: MISSING, DISABLED, NOT_A_SOCKET, TIMEOUT, CONNECT, UNAVAILABLE, PARSE, ...
     why: str = ""
-    read_at: float = 0.0  # wall clock, when the read began
+    read_at: float = 0.0  # wall clock, when the read began: shown, and compared with other wall clocks
+    read_mono: float = 0.0  # monotonic clock, when the read began: its age (no clock step moves it)
     duration: float = 0.0
 
     @property
@@ -90,11 +103,15 @@ class ReaderProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
-    def ask(self, path: str, timeout: float) -> tuple[str, str]:
-        """(answer line, "") or ("", why there is none); a child that failed is killed, the next ask starts one."""
-        allowance = timeout + STARTUP_ALLOWANCE_SECONDS
+    def ask(self, path: str, timeout: float, asking: Callable[[], None] | None = None) -> tuple[str, str]:
+        """(answer line, "") or ("", why there is none); a child that failed is killed, the next ask starts one.
+        `asking` is called once the request is with a started child: from then on the wait is the kubelet's."""
+        deadline = time.monotonic() + timeout + STARTUP_ALLOWANCE_SECONDS
         if self._proc is None or self._proc.poll() is not None:
-            self._start()
+            why = self._start()
+            if why:
+                self.close()
+                return "", why
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
@@ -103,12 +120,15 @@ class ReaderProcess:
         except OSError as exc:
             self.close()
             return "", f"the ledger reader is gone ({exc.strerror or exc})"
-        line, why = _read_line(proc.stdout.fileno(), time.monotonic() + allowance)
+        if asking is not None:
+            asking()
+        line, why = _read_line(proc.stdout.fileno(), deadline)
         if why:
             self.close()
         return line, why
 
-    def _start(self) -> None:
+    def _start(self) -> str:
+        """Start the child and wait for its `ready`: "" or why it did not start."""
         self.close()
         self.starts += 1
         self._proc = subprocess.Popen(
@@ -118,6 +138,13 @@ class ReaderProcess:
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # killed with its whole group; never the agent's signals
         )
+        assert self._proc.stdout is not None
+        line, why = _read_line(self._proc.stdout.fileno(), time.monotonic() + STARTUP_ALLOWANCE_SECONDS)
+        if why == "TIMEOUT":
+            return f"the ledger reader did not start within {STARTUP_ALLOWANCE_SECONDS:g}s"
+        if why or line != READY:
+            return f"the ledger reader did not start: {why or repr(line[:80])}"
+        return ""
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
@@ -154,9 +181,11 @@ def _read_line(fd: int, deadline: float) -> tuple[str, str]:
                 return "", f"the ledger reader's answer passed {MAX_ANSWER_BYTES} bytes"
 
 
-def read_once(path: str, timeout: float, reader: ReaderProcess | None = None) -> LedgerRead:
+def read_once(
+    path: str, timeout: float, reader: ReaderProcess | None = None, asking: Callable[[], None] | None = None
+) -> LedgerRead:
     """One read through the reader child (a child of its own when `reader` is None), blocking at most timeout +
-    the child's start-up allowance."""
+    the child's start-up allowance; `asking` as in `ReaderProcess.ask`."""
     began, wall = time.monotonic(), time.time()
     absent = socket_state(path)
     if absent is not None:
@@ -164,20 +193,19 @@ def read_once(path: str, timeout: float, reader: ReaderProcess | None = None) ->
     own = reader is None
     child = reader or ReaderProcess()
     try:
-        text, why = child.ask(path, timeout)
+        text, why = child.ask(path, timeout, asking)
     finally:
         if own:
             child.close()
-    duration = time.monotonic() - began
     if why == "TIMEOUT":
         why = f"the ledger reader got no answer within {timeout:g}s (kubelet hung?)"
-        return LedgerRead("unknown", path, code="TIMEOUT", why=why, read_at=wall, duration=duration)
-    if why:
-        return LedgerRead("unknown", path, code="READER", why=why, read_at=wall, duration=duration)
-    return _parsed(text, path, wall, duration)
+        read = LedgerRead("unknown", path, code="TIMEOUT", why=why)
+    else:
+        read = LedgerRead("unknown", path, code="READER", why=why) if why else _parsed(text, path)
+    return replace(read, read_at=wall, read_mono=began, duration=time.monotonic() - began)
 
 
-def _parsed(text: str, path: str, wall: float, duration: float) -> LedgerRead:
+def _parsed(text: str, path: str) -> LedgerRead:
     try:
         document = json.loads(text)
     except ValueError:
@@ -188,31 +216,43 @@ def _parsed(text: str, path: str, wall: float, duration: float) -> LedgerRead:
         why = f"the kubelet answered {code}: {str(error.get('message', ''))[:300]}".rstrip(": ")
         if code in ("CONNECT", "TIMEOUT"):
             why = f"the kubelet did not answer ({code.lower()}): {str(error.get('message', ''))[:300]}"
-        return LedgerRead("unknown", path, code=code, why=why, read_at=wall, duration=duration)
+        return LedgerRead("unknown", path, code=code, why=why)
     try:
         ledger = parse_ledger(text)
     except LedgerError as exc:
-        return LedgerRead("unknown", path, code="PARSE", why=f"not a ledger: {exc}", read_at=wall, duration=duration)
-    return LedgerRead("ok", path, ledger, read_at=wall, duration=duration)
+        return LedgerRead("unknown", path, code="PARSE", why=f"not a ledger: {exc}")
+    return LedgerRead("ok", path, ledger)
 
 
 class PendingRead:
-    """A read under way (or one reused): `result(deadline)` waits for it, at most until `deadline` (monotonic)."""
+    """A read under way (or one reused): `collect(deadline)` takes what it has by the end of a probe run,
+    `result(deadline)` waits for it, at most until `deadline` (monotonic)."""
 
     def __init__(self, source: LedgerSource, done: LedgerRead | None = None) -> None:
         self._source = source
         self._done = done
 
     def result(self, deadline: float | None = None) -> LedgerRead:
+        return self._take(deadline, None)
+
+    def collect(self, deadline: float, grace: float = COLLECT_GRACE_SECONDS) -> LedgerRead:
+        """The answer, or unknown (PENDING) when the kubelet has not given it within `grace` seconds from now
+        (from when the request reached the child, if its start-up ends later), at most until `deadline`."""
+        return self._take(deadline, grace)
+
+    def _take(self, deadline: float | None, grace: float | None) -> LedgerRead:
         if self._done is not None:
             return self._done
-        finished = self._source.wait(deadline)
-        if finished is None:
-            socket = self._source.socket
+        finished = self._source.wait(deadline, grace)
+        if finished is not None:
+            self._done = finished
+            return finished
+        socket = self._source.socket
+        if grace is None:
             why = "the ledger reader had not answered by the probe's deadline"
             return LedgerRead("unknown", socket, code="TIMEOUT", why=why)
-        self._done = finished
-        return finished
+        why = f"no answer from the kubelet {grace:g}s after the probe's own checks were done (kubelet slow or hung?)"
+        return LedgerRead("unknown", socket, code="PENDING", why=why)
 
 
 class LedgerSource:
@@ -225,6 +265,7 @@ class LedgerSource:
         self._running: threading.Thread | None = None
         self._last: LedgerRead | None = None
         self._last_done = 0.0  # monotonic
+        self._asked_at: float | None = None  # monotonic, when the running read's request reached a started child
         self._reader = ReaderProcess()
         self.reads = 0  # reads started, for tests and benchmarks
 
@@ -240,6 +281,7 @@ class LedgerSource:
                 return PendingRead(self, self._last)
             if self._running is None:
                 self.reads += 1
+                self._asked_at = None
                 self._running = threading.Thread(
                     target=self._run, args=(timeout,), name="podresources-read", daemon=True
                 )
@@ -248,17 +290,29 @@ class LedgerSource:
 
     def _run(self, timeout: float) -> None:
         try:
-            outcome = read_once(self.socket, timeout, self._reader)
+            outcome = read_once(self.socket, timeout, self._reader, self._asking)
         except Exception as exc:  # noqa: BLE001 - a failed read must leave the ledger unknown, not the thread dead
             outcome = LedgerRead("unknown", self.socket, code="READER", why=f"{type(exc).__name__}: {exc}")
         with self._lock:
             self._last, self._last_done, self._running = outcome, time.monotonic(), None
             self._finished.notify_all()
 
-    def wait(self, deadline: float | None) -> LedgerRead | None:
+    def _asking(self) -> None:
+        with self._lock:
+            self._asked_at = time.monotonic()
+            self._finished.notify_all()  # a collector's wait now runs on the kubelet's clock
+
+    def wait(self, deadline: float | None, grace: float | None = None) -> LedgerRead | None:
+        """The finished read, or None at `deadline`; with `grace`, also None once the kubelet has had `grace`
+        seconds counted from now, or from when the request reached the child if that is later."""
+        called = time.monotonic()
         with self._lock:
             while self._running is not None:
-                left = None if deadline is None else deadline - time.monotonic()
+                limit = deadline
+                if grace is not None and self._asked_at is not None:
+                    kubelet = max(called, self._asked_at) + grace
+                    limit = kubelet if limit is None else min(limit, kubelet)
+                left = None if limit is None else limit - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self._finished.wait(left)

@@ -12,7 +12,8 @@ left of TIMEOUT_SECONDS. It prints one JSON document (one line) on stdout:
 
 or `{"error": {"code": "UNAVAILABLE", "message": "..."}}` (a gRPC status name, or CONNECT / TIMEOUT).
 
-With `--serve` it reads one request per line on stdin (`SOCKET<TAB>TIMEOUT_SECONDS`) and answers each with one
+With `--serve` it first prints `ready` (its imports are done: what the agent waits for from then on is the
+kubelet), then reads one request per line on stdin (`SOCKET<TAB>TIMEOUT_SECONDS`) and answers each with one
 line, until stdin closes (the agent is gone) or no request came for IDLE_EXIT_SECONDS.
 
 Why a child: the gRPC client (grpclib, asyncio and protobuf) would cost the agent's own memory about 17 MiB; in a
@@ -91,6 +92,8 @@ IDLE_EXIT_SECONDS = 600.0
 def serve() -> int:
     """Answer requests from stdin until it closes or stays quiet for IDLE_EXIT_SECONDS."""
     stdin = sys.stdin.buffer
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
     while select.select([stdin], [], [], IDLE_EXIT_SECONDS)[0]:
         line = stdin.readline()
         if not line:

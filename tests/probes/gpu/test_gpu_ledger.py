@@ -2,9 +2,10 @@
 gRPC on a unix socket (tests/support/fake_kubelet.py), real processes in pod cgroups holding mknod'ed nvidiaN
 nodes, the pods named by containerd's OCI bundles.
 
-NVIDIA time-slicing (`GPU-<uuid>::N` replicas in two pods) and MIG devices are sharing by design; a GPU held by a
-pod the ledger did not give it to fails naming both pods; a GPU the plugin no longer offers warns beside the
-agent's own verdict; framebuffer in use with no process says whether the ledger has the GPU free.
+NVIDIA time-slicing (`GPU-<uuid>::N` replicas in two pods), MPS (an MPS server pod beside its client pods) and
+MIG devices are sharing by design; a GPU held by a pod the ledger gave it to no pod, or to another pod, fails
+naming the pods; a GPU the plugin no longer offers warns beside the agent's own verdict; framebuffer in use with no
+process says whether the ledger has the GPU free; a hung kubelet is not waited for.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def node(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 proc.wait(timeout=10)
 
 
-def _wait_exec(procs: list[subprocess.Popen[bytes]]) -> None:
+def _wait_exec(procs: list[subprocess.Popen[bytes]], comm: str = "sleep") -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        if all(Path(f"/proc/{p.pid}/comm").read_text().strip() == "sleep" for p in procs):
+        if all(Path(f"/proc/{p.pid}/comm").read_text().strip() == comm for p in procs):
             return
         time.sleep(0.02)
 
@@ -120,16 +121,72 @@ def test_a_gpu_allocated_to_one_pod_and_held_by_another_names_both(
     assert result.sample("nodehealth_gpu_temperature_celsius", **labels) > 0
 
 
-def test_a_gpu_allocated_to_no_pod_held_by_a_pod_fails(tmp_path: Path, fake_nvml: Path, node: dict[str, Any]) -> None:
+def test_a_gpu_allocated_to_no_pod_held_by_pods_fails(tmp_path: Path, fake_nvml: Path, node: dict[str, Any]) -> None:
+    """Both pods hold gpu0 (privileged debug pods that mount /dev): the kubelet lists them, the ledger gave gpu0 to
+    no pod."""
     with FakeKubelet() as kubelet:
         kubelet.offer(GPU, UUID0, UUID1)
         kubelet.add_pod("team-a", "train-0", "worker")
-        kubelet.allocate("team-b", "train-1", "worker", GPU, UUID0)
+        kubelet.add_pod("team-b", "train-1", "worker")
         result = run(tmp_path, fake_nvml, node, kubelet)
     held = result.finding("gpu.holders", "gpu0")
-    assert held["reason"] == "GpuHeldOutsideAllocation" and "team-a/train-0" in held["message"]
-    free = result.finding("gpu.ledger", "gpu1")
-    assert (free["status"], free["message"]) == ("ok", "gpu1: free in the ledger")
+    assert (held["status"], held["reason"], held["device"]) == ("fail", "GpuHeldOutsideAllocation", 0), held["message"]
+    pid_a, pid_b = node["pids"]
+    assert f"gpu0 is held by pod team-a/train-0 container worker (PID {pid_a} " in held["message"]
+    assert f"pod team-b/train-1 container worker (PID {pid_b} " in held["message"]
+    assert held["message"].endswith("but the device plugin's ledger allocated it to no pod")
+    assert "kubectl delete pod -n team-a train-0" in held["hint"]
+    assert held["observed"]["allocated_to"] == []
+    assert sorted(p["name"] for p in held["observed"]["held_outside_allocation"]) == ["train-0", "train-1"]
+    assert "GpuSharedByPods" not in held["message"] and "2 pods" not in held["message"]
+    for gpu in ("gpu0", "gpu1"):
+        free = result.finding("gpu.ledger", gpu)
+        assert (free["status"], free["message"]) == ("ok", f"{gpu}: free in the ledger")
+    assert result.sample("nodehealth_device_allocated", gpu="0", UUID=UUID0) == 0
+
+
+def test_an_mps_server_beside_its_allocated_client_pods_is_sharing_by_design(
+    tmp_path: Path, fake_nvml: Path, node: dict[str, Any]
+) -> None:
+    """The device plugin's MPS control daemon runs the MPS server in a pod of its own, with no allocation of the
+    GPU, while the client pods hold their replicas: nothing outside the allocation, no GpuSharedByPods."""
+    mps = 'exec 3<"$0"; exec -a nvidia-cuda-mps-server sleep 60'
+    with pod_cgroups(1) as (daemon,):
+        server = subprocess.Popen(["bash", "-c", mps, str(node["dev"] / "nvidia0")])
+        try:
+            daemon.add(server.pid)
+            containerd_bundle(node["root"], daemon.container_id, "nvidia", "mps-control-daemon", "mps-server")
+            _wait_exec([server], "nvidia-cuda-mps")  # comm is cut at 15 characters
+            with FakeKubelet() as kubelet:
+                kubelet.offer(GPU, f"{UUID0}::0", f"{UUID0}::1", f"{UUID1}::0", f"{UUID1}::1")
+                kubelet.allocate("team-a", "train-0", "worker", GPU, f"{UUID0}::0")
+                kubelet.allocate("team-b", "train-1", "worker", GPU, f"{UUID0}::1")
+                kubelet.add_pod("nvidia", "mps-control-daemon", "mps-server")  # listed: judged if it were a tenant
+                result = run(tmp_path, fake_nvml, node, kubelet)
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+    held = result.finding("gpu.holders", "gpu0")
+    assert (held["status"], held["reason"]) == ("ok", "OK"), held["message"]
+    assert held["observed"]["shared_by_design"].startswith("replica ")
+    assert "held_outside_allocation" not in held["observed"]
+    in_pods = {h["pid"] for h in held["observed"]["in_pods"]}
+    assert in_pods == {*node["pids"], server.pid}  # the server was seen, and excused
+    assert [a["name"] for a in held["observed"]["allocated_to"]] == ["train-0", "train-1"]
+
+
+def test_a_hung_kubelet_leaves_the_gpu_ledger_unknown_without_waiting(
+    tmp_path: Path, fake_nvml: Path, node: dict[str, Any]
+) -> None:
+    """The read that has not come back when the run's own checks are done is not waited for (it would answer
+    TIMEOUT after its 2 s deadline): the run says PENDING, and the holders stand as without a ledger."""
+    with FakeKubelet(mode="hang") as kubelet:
+        result = run(tmp_path, fake_nvml, node, kubelet)
+    ledger = result.finding("gpu.ledger", "")
+    assert (ledger["status"], ledger["reason"]) == ("unknown", "PodResourcesUnavailable")
+    assert ledger["observed"]["ledger_error"]["code"] == "PENDING", ledger["message"]
+    assert result.finding("gpu.holders", "gpu0")["reason"] == "GpuSharedByPods"
+    assert ("gpu.ledger", "gpu0") not in {(f["check"], f["subject"]) for f in result.findings}
 
 
 def test_mig_devices_belong_to_their_gpu(tmp_path: Path, fake_nvml: Path, node: dict[str, Any]) -> None:
