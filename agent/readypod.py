@@ -8,7 +8,8 @@ of its own, never on the loop; at most one a second, and one every 5 s while rea
 by its own allocation. Then, failing closed (`resolve`):
 
 - no read yet, or the last one failed (no socket, the kubelet did not answer) → LedgerUnavailable;
-  an ok read older than `MAX_LEDGER_AGE_SECONDS` (the newer one asked for has not finished) → LedgerStale;
+  an ok read older than `MAX_LEDGER_AGE_SECONDS` (the newer one asked for has not finished) → LedgerStale; its
+  age is on the monotonic clock, so a wall clock stepped back never makes an old read look fresh;
 - the pod not listed → PodNotInLedger;
 - its ids mapped to devices: `nvidia.com/...` ids (`GPU-<uuid>`, `MIG-<uuid>`, `<id>::N` replicas, an index) to
   the GPU whose results name them (`observed.device_ids`); `huawei.com/...` ids (`Ascend910-<phy>`, vNPUs
@@ -115,13 +116,13 @@ def unavailable(namespace: str, name: str, why: str) -> PodDevices:
 
 
 def read_problem(read: LedgerRead | None, now: float) -> tuple[Reason, str, dict[str, Any]] | None:
-    """Why this read cannot vouch for a pod, or None when it can."""
+    """Why this read cannot vouch for a pod, or None when it can; `now` is the monotonic clock."""
     if read is None:
         return LEDGER_UNAVAILABLE, "the kubelet's ledger has not been read yet", {}
     observed = read.observed()
     if not read.ok:
         return LEDGER_UNAVAILABLE, f"the kubelet's ledger could not be read: {read.why}", observed
-    age = now - read.read_at
+    age = now - read.read_mono
     if age > MAX_LEDGER_AGE_SECONDS:
         message = f"the last ledger read is {age:.0f}s old (limit {MAX_LEDGER_AGE_SECONDS:g}s): a newer one is late"
         return LEDGER_STALE, message, observed
@@ -204,7 +205,8 @@ class PodLedger:
     # --- judging -----------------------------------------------------------------------------------
 
     def resolve(self, snapshot: Snapshot, namespace: str, name: str, now: float | None = None) -> PodDevices:
-        now = time.time() if now is None else now
+        """The pod's devices, judged by the latest read; `now` is the monotonic clock."""
+        now = time.monotonic() if now is None else now
         read = self.last()
         problem = read_problem(read, now)
         if problem is not None:
@@ -212,7 +214,7 @@ class PodLedger:
         assert read is not None and read.ledger is not None
         if (namespace, name) not in read.ledger.pods:
             message = (
-                f"the kubelet's ledger ({len(read.ledger.pods)} pods, read {max(0.0, now - read.read_at):.1f}s ago) "
+                f"the kubelet's ledger ({len(read.ledger.pods)} pods, read {max(0.0, now - read.read_mono):.1f}s ago) "
                 f"does not list pod {namespace}/{name}"
             )
             return _unknown(namespace, name, POD_NOT_IN_LEDGER, message, read.observed())

@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from agent.kube.client import ERROR_KINDS
-from agent.kube.isolation import MECHANISMS
-from agent.kube.isolator import DeviceIsolator
+from agent.kube.device_budget import DeviceGrant
+from agent.kube.dra import Discovery
+from agent.kube.isolation import MECHANISMS, Isolation
+from agent.kube.publicfault import PublicFaults
 from probes.base import Sample
 
 
-def device_status(isolator: DeviceIsolator) -> dict[str, Any]:
-    view = isolator.view()
+@dataclass(frozen=True)
+class IsolatorView:
+    """What the isolator shows, copied under its lock (`DeviceIsolator.view`)."""
+
+    discovery: Discovery | None
+    slice_notes: tuple[str, ...]
+    faults: PublicFaults | None
+    isolations: tuple[Isolation, ...]
+    held: frozenset[str] | None
+    grant: DeviceGrant | None
+    would_write: tuple[dict[str, Any], ...]
+    errors: Counter[str]
+    last_error: str
+
+
+def device_status(view: IsolatorView) -> dict[str, Any]:
     discovery, grant, faults = view.discovery, view.grant, view.faults
     return {
         "dra": {"rules_version": discovery.rules, "slices_version": discovery.slices} if discovery else None,
@@ -31,8 +48,7 @@ def device_status(isolator: DeviceIsolator) -> dict[str, Any]:
     }
 
 
-def device_samples(isolator: DeviceIsolator) -> list[Sample]:
-    view = isolator.view()
+def device_samples(view: IsolatorView) -> list[Sample]:
     counts = Counter(i.mechanism for i in view.isolations)
     out = [
         Sample(

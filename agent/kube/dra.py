@@ -30,7 +30,7 @@ DRA_VERSIONS = ("v1", "v1beta2")
 class Discovery:
     rules: str | None  # the version serving devicetaintrules
     slices: str | None  # the version serving resourceslices
-    at: float
+    at: float  # when it was read, on the caller's clock (the isolator's: monotonic)
 
     @property
     def why_not(self) -> str:

@@ -27,7 +27,7 @@ from agent.kube.device_budget import DeviceBudget
 from agent.kube.dra import discover, own_rules
 from agent.kube.policy import isolated_devices_key, ready_label_key, taint_key
 from agent.kube.publicfault import occurring_count, own_selector
-from agent.kube.slots import Fleet, budget_limit
+from agent.kube.slots import Fleet, budget_limit, slots_count
 from probes.base import CATEGORIES
 from probes.storage.common import safe_text
 
@@ -158,8 +158,8 @@ def _budgets(api: KubeApi, policy: KubernetesConfig, notes: list[str]) -> list[B
         annotations = (metadata or {}).get("annotations") or {}
         fleet = Fleet.parse(annotations.get(f"{policy.key_prefix}/{kind.FLEET_KEY}"))
         try:
-            used = int(annotations.get(f"{policy.key_prefix}/{kind.SLOTS_KEY}", "0"))
-        except ValueError:
+            used = slots_count(annotations.get(f"{policy.key_prefix}/{kind.SLOTS_KEY}", "0"))
+        except ValueError:  # garbage: shown as not known
             used = None
         percentage = setting.strip().endswith("%")
         counted = fleet.nodes if percentage else None

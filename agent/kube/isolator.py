@@ -13,6 +13,8 @@ Each reconcile pass calls `prepare` before it plans the Node and `finish` after 
 
 Nothing is read while no device is bad and the agent owns nothing; a device API error never fails the pass (it is
 counted in `nodehealth_kube_device_errors_total`, backs off on its own, and the devices fall back to the node).
+Its backoffs, the device budget's retry and the rechecks run on the reconciler's monotonic clock (`tick`), which
+no clock step moves; the wall clock (`clock`) only stamps what is written (budget records, public faults).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from agent.config import KubernetesConfig
 from agent.kube.client import Backoff, KubeApi, agent_namespace, classify, short_error
 from agent.kube.device_budget import DeviceBudget, DeviceBudgetSettings, DeviceGrant
+from agent.kube.device_report import IsolatorView
 from agent.kube.devices import (
     DeviceRef,
     Published,
@@ -78,12 +81,19 @@ class _Removals:
 
 class DeviceIsolator:
     def __init__(
-        self, node: str, api: Callable[[], KubeApi], clock: Callable[[], float], rng: random.Random, hooks: Hooks
+        self,
+        node: str,
+        api: Callable[[], KubeApi],
+        clock: Callable[[], float],
+        monotonic: Callable[[], float],
+        rng: random.Random,
+        hooks: Hooks,
     ) -> None:
         self.node = node
         self.node_label = node_label_value(node)
         self._api = api
         self._clock = clock
+        self._monotonic = monotonic
         self._rng = rng
         self._hooks = hooks
         # The pass lock is held through a pass and its API calls; the view lock only while counters are read or
@@ -126,7 +136,7 @@ class DeviceIsolator:
     def _error(self, exc: BaseException, what: str) -> str:
         kind = classify(exc)
         delay = self._backoff.next_delay()
-        self._retry_at = self._clock() + delay
+        self._retry_at = self._monotonic() + delay
         with self._lock:
             self.errors[kind] += 1
             self.last_error = f"{what}: {kind}: {short_error(exc)}"
@@ -135,15 +145,15 @@ class DeviceIsolator:
 
     # --- what the cluster offers ---------------------------------------------------------------------
 
-    def _mechanisms(self, policy: KubernetesConfig, now: float, wanted: frozenset[DeviceRef]) -> Mechanisms:
+    def _mechanisms(self, policy: KubernetesConfig, tick: float, wanted: frozenset[DeviceRef]) -> Mechanisms:
         """What the cluster offers, refreshed when due; on an API error (or while backing off from one) what was
         read before stands, so a transient error does not move isolated devices to the node taint and back."""
         pf = policy.mindcluster.public_fault
         base = Mechanisms(prefix=policy.key_prefix, node=self.node, node_label=self.node_label)
-        offline = "the API is backing off" if now < self._retry_at else ""
+        offline = "the API is backing off" if tick < self._retry_at else ""
         if not offline:
             try:
-                self._discover(policy, now, bool(wanted))
+                self._discover(policy, tick, bool(wanted))
                 if self.node_label is not None:
                     self._load_faults(policy)
             except Exception as exc:  # noqa: BLE001 - what was read before stands
@@ -160,33 +170,33 @@ class DeviceIsolator:
             return replace(base, no_dra=discovery.why_not)
         if not offline:
             try:
-                self._published(policy, discovery, now, wanted)
+                self._published(policy, discovery, tick, wanted)
             except Exception as exc:  # noqa: BLE001
                 offline = self._error(exc, "ResourceSlices not read")
         if self._slices is None:
             return replace(base, no_dra=offline)
         return replace(base, rules_version=discovery.rules, published=self._slices)
 
-    def _discover(self, policy: KubernetesConfig, now: float, needed: bool) -> Discovery:
+    def _discover(self, policy: KubernetesConfig, tick: float, needed: bool) -> Discovery:
         recheck = policy.dra_recheck_seconds
-        stale = self._discovery is None or (needed and now - self._discovery.at > recheck)
+        stale = self._discovery is None or (needed and tick - self._discovery.at > recheck)
         if stale:
-            self._discovery = discover(self._api(), now)
+            self._discovery = discover(self._api(), tick)
         assert self._discovery is not None
         version = self._discovery.rules
         if version is not None and self.node_label is not None:
             if self._rules is None:  # at start, or after a write whose outcome is not known: find them all
                 self._rules = own_rules(self._api(), version, policy.key_prefix, self.node_label)
-                self._rules_at = now
-            elif self._rules and now - self._rules_at > recheck:  # read back by name: O(own rules), no list
+                self._rules_at = tick
+            elif self._rules and tick - self._rules_at > recheck:  # read back by name: O(own rules), no list
                 self._rules = refreshed_rules(self._api(), version, self._rules, policy.key_prefix, self.node_label)
-                self._rules_at = now
+                self._rules_at = tick
         elif version is None:
             self._rules = {}
         return self._discovery
 
     def _published(
-        self, policy: KubernetesConfig, discovery: Discovery, now: float, wanted: frozenset[DeviceRef]
+        self, policy: KubernetesConfig, discovery: Discovery, tick: float, wanted: frozenset[DeviceRef]
     ) -> None:
         """This node's published devices: read when a device to map appears, and again every recheck period."""
         if discovery.slices is None:
@@ -194,11 +204,11 @@ class DeviceIsolator:
             return
         if not wanted:
             return
-        fresh = now - self._slices_at <= policy.dra_recheck_seconds
+        fresh = tick - self._slices_at <= policy.dra_recheck_seconds
         if self._slices is None or not fresh or not wanted <= (self._slices_key or frozenset()):
             items = self._api().list_resource_slices(discovery.slices, self.node)
             self._slices, self._slice_notes = parse_published(items, self.node, policy.dra_drivers)
-            self._slices_key, self._slices_at = wanted, now
+            self._slices_key, self._slices_at = wanted, tick
 
     def _load_faults(self, policy: KubernetesConfig) -> None:
         """This node's public-fault ConfigMap, read once while public faults are on. Turned off on a running
@@ -218,7 +228,7 @@ class DeviceIsolator:
 
     # --- one pass -------------------------------------------------------------------------------------
 
-    def prepare(self, snapshot: Snapshot, desired: Desired, policy: KubernetesConfig, now: float) -> Desired:
+    def prepare(self, snapshot: Snapshot, desired: Desired, policy: KubernetesConfig, tick: float) -> Desired:
         with self._pass_lock:
             self.would_write = [] if policy.dry_run else self.would_write
             wants = device_wants(snapshot, policy)
@@ -227,11 +237,11 @@ class DeviceIsolator:
             if not wants and not self._owns_anything() and self._discovery is not None:
                 self.isolations, self._removals = (), None
                 return adjust_desired(desired, snapshot, (), policy, {})
-            mechanisms = self._mechanisms(policy, now, frozenset(wants))
+            mechanisms = self._mechanisms(policy, tick, frozenset(wants))
             isolations = decide(wants, known, mechanisms, policy) + self._kept(held, wants, policy)
-            isolations = self._budgeted(isolations, policy, now)
-            isolations = self._write_rules(isolations, policy, mechanisms, now)
-            isolations = self._write_faults(isolations, policy, held, now)
+            isolations = self._budgeted(isolations, policy, tick)
+            isolations = self._write_rules(isolations, policy, mechanisms, tick)
+            isolations = self._write_faults(isolations, policy, held, tick)
             self._removals = self._plan_removals(isolations, policy, held)
             self._announce(isolations)
             self.isolations = tuple(isolations)
@@ -268,14 +278,14 @@ class DeviceIsolator:
             self._budget_obj = DeviceBudget(api, self.node, namespace, name, prefix, self._clock, wrote)
         return self._budget_obj
 
-    def _budgeted(self, isolations: list[Isolation], policy: KubernetesConfig, now: float) -> list[Isolation]:
+    def _budgeted(self, isolations: list[Isolation], policy: KubernetesConfig, tick: float) -> list[Isolation]:
         fine = {i.device for i in isolations if i.fine}
         present = self._present(policy) & fine
         if fine <= (self._held or frozenset()):
             return isolations
         if policy.dry_run:
             return self._would_budget(isolations, policy, fine, present)
-        if now >= self._retry_at and now >= self._budget_retry_at:
+        if tick >= self._retry_at and tick >= self._budget_retry_at:
             try:
                 budget, settings = self._budget(policy), self._settings(policy)
                 refused = budget.peek(settings) if self._denied else None
@@ -289,7 +299,7 @@ class DeviceIsolator:
                 ]
             self._denied = bool(fine - (self._held or frozenset()))
             if self._denied:
-                self._budget_retry_at = now + self._budget_backoff.next_delay()
+                self._budget_retry_at = tick + self._budget_backoff.next_delay()
             else:
                 self._budget_backoff.reset()
         granted = (self._held or frozenset()) | present
@@ -332,7 +342,7 @@ class DeviceIsolator:
     # --- writes -----------------------------------------------------------------------------------------
 
     def _write_rules(
-        self, isolations: list[Isolation], policy: KubernetesConfig, mechanisms: Mechanisms, now: float
+        self, isolations: list[Isolation], policy: KubernetesConfig, mechanisms: Mechanisms, tick: float
     ) -> list[Isolation]:
         version = mechanisms.rules_version
         if version is None or self.node_label is None:
@@ -343,10 +353,10 @@ class DeviceIsolator:
             if isolation.mechanism != "dra" or isolation.want is None:
                 out.append(isolation)
                 continue
-            out.append(self._ensure(writer, isolation, policy, now))
+            out.append(self._ensure(writer, isolation, policy, tick))
         return out
 
-    def _ensure(self, writer: RuleWriter, isolation: Isolation, policy: KubernetesConfig, now: float) -> Isolation:
+    def _ensure(self, writer: RuleWriter, isolation: Isolation, policy: KubernetesConfig, tick: float) -> Isolation:
         rules = self._rules if self._rules is not None else {}
         for rule in isolation.rules:
             current = rules.get(rule.name)
@@ -354,7 +364,7 @@ class DeviceIsolator:
                 if current is None or not same_spec(current, rule.spec):
                     self.would_write.append({"kind": "device_rule", "what": f"{rule.name}: {rule.spec['taint']}"})
                 continue
-            if now < self._retry_at and (current is None or not same_spec(current, rule.spec)):
+            if tick < self._retry_at and (current is None or not same_spec(current, rule.spec)):
                 return as_fallback(isolation, policy, "the API is backing off: rule not written", "write_failed")
             result = writer.ensure(isolation, rule, current)
             if result.rule is None:
@@ -368,7 +378,7 @@ class DeviceIsolator:
         return isolation
 
     def _write_faults(
-        self, isolations: list[Isolation], policy: KubernetesConfig, held: frozenset[str], now: float
+        self, isolations: list[Isolation], policy: KubernetesConfig, held: frozenset[str], tick: float
     ) -> list[Isolation]:
         faults = self._faults
         chosen = [i for i in isolations if i.mechanism == "public_fault" and i.want is not None]
@@ -383,7 +393,7 @@ class DeviceIsolator:
                 self.would_write.append({"kind": "public_fault", "what": f"occur {sorted(active)}"})
             return isolations
         try:
-            if now < self._retry_at and active.keys() - keep:
+            if tick < self._retry_at and active.keys() - keep:
                 raise RuntimeError("the API is backing off")
             what = faults.write(active, keep, devices)
         except Exception as exc:  # noqa: BLE001 - the chips fall back to the node taint
@@ -406,11 +416,11 @@ class DeviceIsolator:
         removals.keep_slots = fine if self._held and self._held - fine else None
         return removals
 
-    def finish(self, policy: KubernetesConfig, now: float) -> None:
+    def finish(self, policy: KubernetesConfig, tick: float) -> None:
         """What prepare planned to take away: rules deleted, faults recovered, then their slots given back."""
         with self._pass_lock:
             removals, self._removals = self._removals, None
-            if removals is None or now < self._retry_at:
+            if removals is None or tick < self._retry_at:
                 return
             if policy.dry_run:
                 for rule in removals.rules:
@@ -476,18 +486,3 @@ class DeviceIsolator:
             named = ", ".join(f"{device} ({withheld[device].reason})" for device in new)
             self._hooks.event(DEVICE_SUPPRESSED, f"not isolated: {named}: {withheld[new[0]].why}", True)
         self._withheld = set(withheld)
-
-
-@dataclass(frozen=True)
-class IsolatorView:
-    """What the isolator shows, copied under its lock (agent.kube.device_report)."""
-
-    discovery: Discovery | None
-    slice_notes: tuple[str, ...]
-    faults: PublicFaults | None
-    isolations: tuple[Isolation, ...]
-    held: frozenset[str] | None
-    grant: DeviceGrant | None
-    would_write: tuple[dict[str, Any], ...]
-    errors: Counter[str]
-    last_error: str

@@ -13,8 +13,9 @@ Reads the same immutable health snapshot HTTP and metrics read; never runs a pro
   previous run left until fresh results decide (see policy's "hold").
 - Resilience: API errors back off exponentially with jitter; Events have their own queue and backoff
   (`agent.kube.events`), so an Event the API refuses never holds back a taint.
-- Clocks: every retry, heartbeat and backoff runs on the monotonic clock (`monotonic`), which no clock step
-  moves; the wall clock (`clock`) only stamps what is written out (conditions, events, budget records).
+- Clocks: every retry, heartbeat and backoff (the device isolator's too) runs on the monotonic clock
+  (`monotonic`), which no clock step moves; the wall clock (`clock`) only stamps what is written out (conditions,
+  events, budget records).
 """
 
 from __future__ import annotations
@@ -105,9 +106,8 @@ class KubeAgent:
             policy.backoff_max_seconds,
         )
 
-        self._devices = DeviceIsolator(
-            node_name, self._api, clock, self._rng, Hooks(self._wrote, lambda r, m, w: self.events.add(r, m, w))
-        )
+        hooks = Hooks(self._wrote, lambda r, m, w: self.events.add(r, m, w))
+        self._devices = DeviceIsolator(node_name, self._api, clock, monotonic, self._rng, hooks)
 
         self.writes: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
@@ -238,7 +238,7 @@ class KubeAgent:
         now, tick = self._clock(), self._monotonic()
         snapshot = self._snapshot()
         # Devices isolated on the device (a DeviceTaintRule, a public fault) leave the node's taints.
-        desired = self._devices.prepare(snapshot, desired_state(snapshot, policy), policy, now)
+        desired = self._devices.prepare(snapshot, desired_state(snapshot, policy), policy, tick)
         self.events.add_findings(desired.events)
         fingerprint = desired.fingerprint()
         changed = self._dirty or fingerprint != self._applied
@@ -252,7 +252,7 @@ class KubeAgent:
             self._dirty = False
             if heartbeat:
                 self._next_heartbeat = tick + policy.heartbeat_seconds
-        self._devices.finish(policy, now)  # rules and faults no longer wanted go once the Node carries the rest
+        self._devices.finish(policy, tick)  # rules and faults no longer wanted go once the Node carries the rest
         self._log_would_writes(policy)
         if policy.dry_run:
             for event in self.events.pending():
@@ -372,13 +372,13 @@ class KubeAgent:
         with self._lock:
             document = status_document(self, self._config.kubernetes, self._budget_view())
         document["node_pods"] = self.pods.status()
-        document["devices"] = device_status(self._devices)
+        document["devices"] = device_status(self._devices.view())
         return document
 
     def samples(self) -> list[Any]:
         with self._lock:
             samples = status_samples(self, self._config.kubernetes)
-        return samples + device_samples(self._devices)
+        return samples + device_samples(self._devices.view())
 
     def _budget_view(self) -> dict[str, Any]:
         seen = self._budget_seen

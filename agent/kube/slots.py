@@ -13,7 +13,8 @@ Records are other agents' words, judged here: their timestamps are other nodes' 
 old as this agent's clock says (`record_age`), and one from the future (a clock running ahead) is stale, never
 fresh for a year; a value that is not a finite, non-negative number in range is garbage (`Fleet.validated`): the
 record counts as absent, so the fleet is counted again (logged once per garbage record), which never lifts the
-budget (no slot beyond the limit) and never stalls it beyond that one recount.
+budget (no slot beyond the limit) and never stalls it beyond that one recount. The slots count annotation is
+judged alike (`slots_count`): garbage there is not believed, the slots themselves are read and counted.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def stamp(value: Any) -> float:
         return _finite(value, "stamp")
     except ValueError:
         return 0.0
+
+
+def slots_count(raw: Any) -> int:
+    """The slots count annotation as agents write it (a decimal count, at most MAX_FLEET_NODES); ValueError says
+    what is garbage. (int() alone takes "-5", " 5", "5_000" and other scripts' digits.)"""
+    text = raw if isinstance(raw, str) else ""
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_FLEET_NODES:
+        raise ValueError(f"{raw!r} is not a slot count")
+    return int(text)
 
 
 def budget_limit(max_unhealthy: str, count: int) -> int:
@@ -178,6 +188,7 @@ class SlotBudget(Generic[SlotT]):
         self._on_write = on_write
         self.attempts = 10
         self._garbage_seen: str | None = None  # the garbage fleet record last logged
+        self._garbage_count_seen: str | None = None  # the garbage slots count last logged
 
     # --- what a slot is: the budget's own -----------------------------------------------------------
 
@@ -218,6 +229,25 @@ class SlotBudget(Generic[SlotT]):
                 )
             return Fleet()
 
+    def _used(self, raw: str | None) -> int | None:
+        """The slots count, or None (the slots are read and counted) when there is none or it is garbage; a
+        refusal is never taken from garbage. Garbage is logged once."""
+        if raw is None:
+            return None
+        try:
+            return slots_count(raw)
+        except ValueError as exc:
+            if raw != self._garbage_count_seen:
+                self._garbage_count_seen = raw
+                log.warning(
+                    "kubernetes: %s %s/%s: slots count is garbage (%s); counting the slots again",
+                    self.KIND,
+                    self.namespace,
+                    self.name,
+                    exc,
+                )
+            return None
+
     def _refusal(self, settings: SlotSettings) -> tuple[int, int, int] | None:
         """(used, limit, counted) of a refusal read from the ConfigMap's metadata alone, when that is all there is
         to say: the slots are taken and no count or verification is due. None: read the slots."""
@@ -226,9 +256,8 @@ class SlotBudget(Generic[SlotT]):
             return None
         annotations = metadata.get("annotations") or {}
         fleet = self._fleet(annotations.get(self._fleet_key))
-        try:
-            used = int(annotations.get(self._slots_key, ""))
-        except ValueError:
+        used = self._used(annotations.get(self._slots_key))
+        if used is None:
             return None
         now = self._clock()
         limit = self._limit(fleet, settings)

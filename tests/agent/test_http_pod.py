@@ -17,7 +17,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -191,16 +191,26 @@ def test_ids_no_result_names_are_unknown_and_claims_count_every_device() -> None
 
 
 def test_reads_that_cannot_vouch() -> None:
-    now = 10_000.0
+    now = 10_000.0  # monotonic
     assert read_problem(None, now)[0] == LEDGER_UNAVAILABLE  # type: ignore[index]
-    failed = LedgerRead("unknown", "/s", code="UNAVAILABLE", why="the kubelet answered UNAVAILABLE", read_at=now)
+    failed = LedgerRead("unknown", "/s", code="UNAVAILABLE", why="the kubelet answered UNAVAILABLE", read_mono=now)
     problem = read_problem(failed, now)
     assert problem is not None and problem[0] == LEDGER_UNAVAILABLE and "UNAVAILABLE" in problem[1]
     missing = LedgerRead("skip", "/s", code="MISSING", why="no kubelet PodResources socket at /s")
     assert read_problem(missing, now)[0] == LEDGER_UNAVAILABLE  # type: ignore[index]
-    ok = LedgerRead("ok", "/s", Ledger(), read_at=now - MAX_LEDGER_AGE_SECONDS - 1)
+    ok = LedgerRead("ok", "/s", Ledger(), read_mono=now - MAX_LEDGER_AGE_SECONDS - 1)
     assert read_problem(ok, now)[0] == LEDGER_STALE  # type: ignore[index]
     assert read_problem(ok, now - 2) is None
+
+
+def test_a_wall_clock_stepped_back_does_not_make_a_stale_read_fresh() -> None:
+    """Read a minute ago by this host's monotonic clock, then NTP stepped the wall clock back 3 hours: by the
+    wall clocks the read is from the future (fresh for 3 hours); it is a minute old, stale."""
+    wall_then = time.time() + 3 * 3600 - 60
+    read = LedgerRead("ok", "/s", Ledger(), read_at=wall_then, read_mono=time.monotonic() - 60)
+    problem = read_problem(read, time.monotonic())
+    assert problem is not None and problem[0] == LEDGER_STALE and "60s old" in problem[1]
+    assert problem[2]["read_at"] == round(wall_then, 3), "the wall clock's stamp is what is shown"
 
 
 @pytest.mark.parametrize(
@@ -256,7 +266,9 @@ class HeldLedger(PodLedger):
 
 def ledger_read(*allocations: Allocation, pods: tuple[tuple[str, str], ...] = (), age: float = 0.0) -> LedgerRead:
     listed = frozenset(pods) | {a.pod_key for a in allocations}
-    return LedgerRead("ok", "/unused", Ledger(tuple(allocations), listed), read_at=time.time() - age)
+    return LedgerRead(
+        "ok", "/unused", Ledger(tuple(allocations), listed), read_at=time.time() - age, read_mono=time.monotonic() - age
+    )
 
 
 @dataclass
@@ -373,6 +385,12 @@ def test_without_a_usable_ledger_devices_is_the_fallback(served: Served) -> None
     served.ledger.read = ledger_read(*grants("team-a", "train-0", (ASCEND, "Ascend910-1")))
     assert served.answer("/ready?pod=team-a/train-0&devices=0")[1]["pod"]["devices_from"] == "ledger"
     assert served.answer("/ready?pod=team-a/train-0&devices=0")[0] == 200
+
+
+def test_a_stale_read_stays_stale_after_the_wall_clock_steps_back(served: Served) -> None:
+    read = ledger_read(*grants("team-a", "train-0", (ASCEND, "Ascend910-1")), age=60)
+    served.ledger.read = replace(read, read_at=read.read_at + 3 * 3600)  # the wall clock was 3 h ahead then
+    assert served.reasons("/ready?pod=team-a/train-0") == [("ready.pod", "team-a/train-0", LEDGER_STALE.code)]
 
 
 def test_a_long_poll_sees_the_pod_arrive_in_the_ledger(served: Served) -> None:

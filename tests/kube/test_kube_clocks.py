@@ -9,6 +9,7 @@ Budget records carry other nodes' wall clocks: a record from the future is stale
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from support.kube_double import ApiDouble
@@ -31,10 +32,12 @@ from support.kube_helpers import (
     slots,
 )
 
-from agent.kube.slots import Fleet, record_age
+from agent.kube.slots import Fleet, record_age, slots_count
 
 PROBES = {"network": ("network.dns",)}
 HOURS = 3600.0
+# Slots count annotations (`<prefix>/slots`) that are garbage: each is not believed, the slots are read instead.
+GARBAGE_COUNTS = ["4000000000", "1000001", "-1", "1e999", "NaN", "1.0", " 1", "1_0", "\u0663", ""]
 
 
 def failing(name: str, wall: Clock) -> object:
@@ -142,3 +145,52 @@ def test_garbage_in_the_budget_configmap_is_counted_again_never_failing_open(
     assert written["nodes"] == 4 and Fleet.validated(json.dumps(written)).nodes == 4
     assert "d" not in (slots(double) or {}), "the garbage slot of an untainted node was pruned"
     assert logged >= 1, "the garbage was logged"
+
+
+@pytest.mark.parametrize("raw", GARBAGE_COUNTS)
+def test_garbage_slot_counts_are_refused_by_one_function(raw: str) -> None:
+    with pytest.raises(ValueError):
+        slots_count(raw)
+    assert slots_count("0") == 0 and slots_count("1000000") == 1_000_000
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("raw", GARBAGE_COUNTS)
+def test_garbage_in_the_slots_count_is_counted_again_never_failing_open(
+    double: ApiDouble, raw: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused node asks again from the ConfigMap's metadata alone (the slots count): garbage there neither
+    refuses it a free slot nor grants it a taken one; the slots are read and counted, and the garbage logged once."""
+    wall = Clock()
+    for name in ("a", "b"):
+        double.add_node(name)
+    holder = failing("b", wall)
+    make_agent(double, holder, wall, max_unhealthy="1").reconcile_once()  # b takes the only slot
+    timing = {"budget_retry_seconds": 10, "budget_retry_max_seconds": 10, "budget_grace_seconds": 3600}
+    agent = make_agent(double, failing("a", wall), wall, max_unhealthy="1", **timing)  # type: ignore[arg-type]
+    agent.step()  # refused (the holders verified): from now on it asks from the metadata first
+    assert our_taints(double.node("a")) == {} and agent.suppressed
+
+    def garbage() -> None:
+        double.mutate(
+            "configmaps",
+            BUDGET_NS,
+            "node-health-budget",
+            lambda c: c["metadata"]["annotations"].update({f"{PREFIX}/slots": raw}),
+        )
+
+    garbage()
+    with caplog.at_level(logging.WARNING, logger="agent.kube"):
+        for _ in range(3):
+            wall.advance(11)  # past the budget retry, within the grace: the metadata would say it all
+            agent.step()
+        assert our_taints(double.node("a")) == {}, "b holds the only slot: never failing open"
+        record(holder, "network", "network.dns", "ok")  # type: ignore[arg-type]
+        make_agent(double, holder, wall, max_unhealthy="1").reconcile_once()  # b recovers: its slot is free
+        garbage()
+        wall.advance(11)
+        agent.step()
+    assert our_taints(double.node("a")) == {"network": ("DnsFailed", "NoSchedule")}, "the free slot taken on time"
+    assert set(slots(double) or {}) == {"a"}
+    logged = [r for r in caplog.records if "slots count is garbage" in r.getMessage()]
+    assert len(logged) == 1, "logged once, not on every ask"
