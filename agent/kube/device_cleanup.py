@@ -4,7 +4,10 @@ device budget slots given back; nothing that is not the agents' is touched.
 Rules are found by the agents' labels (of one node, or of every node) and their labels checked again before each
 delete, which carries the rule's resourceVersion as a precondition. A public fault is cleared by its `recover`,
 not by deleting the ConfigMap (ClusterD keeps a fault whose ConfigMap is gone): each of the agents' ConfigMaps is
-rewritten with every fault recovered, and left in place. A line is printed only for what there was to do.
+rewritten with every fault recovered, and left in place. They are looked for whether public faults are on or off
+in the config now (faults written while they were on outlive the setting); while they are off, a list refused
+with 403 or 404 (the public-fault component, with the cleanup's Role, not installed) is reported as not checked,
+not as an error. A line is printed only for what there was to do, or could not be checked.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from agent.config import Config
-from agent.kube.client import KubeApi, agent_namespace, short_error
+from agent.kube.client import KubeApi, agent_namespace, is_status, short_error
 from agent.kube.device_budget import DeviceBudget
 from agent.kube.devices import node_label_value
 from agent.kube.dra import discover, own_rules
@@ -55,11 +58,13 @@ def _faults(
 ) -> bool:
     policy = config.kubernetes
     settings = policy.mindcluster.public_fault
-    if not settings.enabled:
-        return True
     try:
         found = api.list_configmaps(settings.namespace, own_selector(policy.key_prefix, label))
     except Exception as exc:  # noqa: BLE001
+        if not settings.enabled and is_status(exc, 403, 404):
+            why = f"public faults are off and their ConfigMaps cannot be listed ({short_error(exc)})"
+            out(f"public faults {settings.namespace}: not checked: {why}")
+            return True
         out(f"public faults {settings.namespace}: not read: {short_error(exc)}")
         return False
     ok = True

@@ -100,3 +100,35 @@ def test_an_api_error_on_the_rules_is_reported_and_keeps_the_slots(double: ApiDo
     assert cleanup(KubeApi(double.client, 5), parse_config({"kubernetes": PF}), None, False, out.append) == 1
     assert any("not removed: HTTP 500" in line for line in out), out
     assert slots(double) != {}, "a slot goes only once what it stands for is gone"
+
+
+@pytest.mark.system
+def test_faults_written_while_on_are_recovered_with_public_faults_off_now(double: ApiDouble, monkeypatch: Any) -> None:
+    """Public faults turned off in the config since: the faults the agents wrote are still theirs to recover."""
+    agents_isolate(double, monkeypatch)
+    off = parse_config({"kubernetes": {"mindcluster": {"public_fault": {"enabled": False, "namespace": "mindx-dl"}}}})
+    out: list[str] = []
+    assert cleanup(KubeApi(double.client, 5), off, None, True, out.append) == 0
+    assert "public faults mindx-dl/node-health-publicfault-a: would recover 1 fault(s)" in out, out
+    assert cleanup(KubeApi(double.client, 5), off, None, False, out.append) == 0, out
+    assert faults(double, "a") == ["recover"] and faults(double, "b") == ["recover"]
+    assert slots(double) == {}
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("status", [403, 404])
+def test_public_faults_off_and_not_listable_are_not_checked_not_an_error(double: ApiDouble, status: int) -> None:
+    """Off, and the list refused (the public-fault component, with the cleanup's Role, was never installed, so no
+    agent could write a fault): said, and the rest of the cleanup goes on."""
+    double.serve_dra("1.37")
+    double.add_node("a")
+    double.inject(path="/namespaces/mindx-dl/configmaps$", method="GET", status=status, times=-1)
+    out: list[str] = []
+    assert cleanup(KubeApi(double.client, 5), parse_config({}), None, False, out.append) == 0, out
+    assert [line for line in out if line.startswith("public faults")] == [
+        f"public faults mindx-dl: not checked: public faults are off and their ConfigMaps cannot be listed (HTTP "
+        f"{status} {'Forbidden' if status == 403 else 'Not Found'} injected fault)"
+    ]
+    out.clear()
+    assert cleanup(KubeApi(double.client, 5), parse_config({"kubernetes": PF}), None, False, out.append) == 1
+    assert any(line.startswith(f"public faults mindx-dl: not read: HTTP {status}") for line in out), "on: an error"

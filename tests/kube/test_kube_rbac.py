@@ -5,15 +5,13 @@ against the ClusterRole and Role rules. The cleanup Job's rules against the call
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from support.kube_devices import NVIDIA, publish_gpus, record_gpus, record_npus
-from support.kube_double import ApiDouble, Request
+from support.kube_double import ApiDouble
 from support.kube_helpers import BUDGET_NS, Clock, health_state, make_agent, our_taints, record
+from support.rbac import assert_least_privilege, calls
 from support.system import REPO
 
 from agent.config import parse_config
@@ -21,79 +19,8 @@ from agent.kube.cleanup import cleanup
 from agent.kube.client import KubeApi
 from agent.kube.devices import RULE_LABELS, rule_name
 
-PATH = re.compile(
-    r"^/api/v1/(?:namespaces/(?P<ns>[^/]+)/)?(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$"
-)
-GROUP_PATH = re.compile(r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)(?:/(?P<resource>[a-z]+)(?:/(?P<name>[^/]+))?)?$")
-VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
 PROBES = {"network": ("network.dns",), "gpu": ("gpu.holders",)}
-Call = tuple[str, str, str]  # (apiGroup, resource, verb)
 PUBLIC_FAULTS = REPO / "deploy" / "components" / "mindcluster-public-faults" / "rbac.yaml"
-
-
-def calls(log: list[Request]) -> dict[Call, set[tuple[str, str]]]:
-    """(group, resource, verb) → the (namespace, name) pairs it was used on. Discovery (`/apis/<group>/<version>`,
-    a non-resource URL the system:discovery role lets every authenticated user read) needs no grant."""
-    used: dict[Call, set[tuple[str, str]]] = {}
-    for request in log:
-        match = PATH.match(request.path)
-        group = ""
-        if match is None:
-            match = GROUP_PATH.match(request.path)
-            assert match is not None, request.path
-            assert request.method == "GET" or match["resource"], request.path
-            if match["resource"] is None:
-                continue
-            group = match["group"]
-        resource = match["resource"] + (f"/{match['sub']}" if match.groupdict().get("sub") else "")
-        if request.method == "GET":
-            verb = "watch" if request.query.get("watch") == ["true"] else ("get" if match["name"] else "list")
-        else:
-            verb = VERBS[request.method]
-        used.setdefault((group, resource, verb), set()).add((match.groupdict().get("ns") or "", match["name"] or ""))
-    return used
-
-
-Grant = tuple[str, list[str] | None]  # (namespace of the Role, resourceNames: None for any name)
-
-
-def granted(*paths: Path) -> tuple[set[Call], dict[Call, list[Grant]]]:
-    """(cluster-wide grants, namespaced grants: call → the Roles' namespaces and resourceNames)."""
-    cluster: set[Call] = set()
-    namespaced: dict[Call, list[Grant]] = {}
-    for path in paths:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if not doc or doc["kind"] not in ("ClusterRole", "Role"):
-                continue
-            for rule in doc["rules"]:
-                for group in rule["apiGroups"]:
-                    for resource in rule["resources"]:
-                        for verb in rule["verbs"]:
-                            call = (group, resource, verb)
-                            if doc["kind"] == "ClusterRole":
-                                assert call not in cluster, f"granted twice: {call}"
-                                cluster.add(call)
-                                continue
-                            grants = namespaced.setdefault(call, [])
-                            namespace = doc["metadata"]["namespace"]
-                            assert namespace not in {ns for ns, _ in grants}, f"granted twice in {namespace}: {call}"
-                            grants.append((namespace, rule.get("resourceNames")))
-    return cluster, namespaced
-
-
-def assert_least_privilege(used: dict[Call, set[tuple[str, str]]], *paths: Path) -> None:
-    cluster, namespaced = granted(*paths)
-    assert set(used) == cluster | set(namespaced), (
-        f"unused grants: {sorted((cluster | set(namespaced)) - set(used))}; "
-        f"missing grants: {sorted(set(used) - cluster - set(namespaced))}"
-    )
-    for call, targets in used.items():
-        if call in cluster:
-            continue
-        for ns, name in targets:
-            names = dict(namespaced[call]).get(ns, [])
-            assert ns in dict(namespaced[call]), (call, ns)
-            assert names is None or name in names, (call, name, names)
 
 
 def devices_scenario(
@@ -234,12 +161,14 @@ def test_the_cleanup_jobs_role_is_exactly_what_cleanup_calls(double: ApiDouble, 
     }
     double.create("configmaps", "mindx-dl", pf_body)
     double.foreign_write_before_ours("a")
+    if not faults:  # without the component, its Role for the cleanup is missing too: the list is refused
+        double.inject(path="/namespaces/mindx-dl/configmaps$", method="GET", status=403, times=-1)
     out: list[str] = []
     api = KubeApi(double.client, 5)
     config = parse_config({"kubernetes": {"mindcluster": {"public_fault": {"enabled": faults}}}})
     assert cleanup(api, config, None, False, out.append) == 0, out
     assert double.device_taint_rules() == []
-    used = calls(double.log)
+    used = calls([r for r in double.log if r.status != 403])  # refused: it needed no grant
     files = [REPO / "deploy" / "examples" / "cleanup-job.yaml"]
     if faults:
         recovered = json.loads((double.configmap("mindx-dl", "node-health-publicfault-a") or {})["data"]["PublicFault"])
