@@ -1,4 +1,4 @@
-"""node-health command line: check, run, probes, config, diagnose, cleanup, fleet."""
+"""node-health command line: check, run, probes, config, diagnose, cleanup, uninstall, fleet."""
 
 from __future__ import annotations
 
@@ -69,6 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--node", metavar="NAME", help="this node (default: node_name, $NODE_NAME, the hostname)")
     which.add_argument("--all-nodes", action="store_true", help="every node of the cluster")
     cleanup.add_argument("--dry-run", action="store_true", help="print what would be removed, change nothing")
+
+    uninstall = sub.add_parser(
+        "uninstall",
+        help="the whole uninstall: stop the agents, clean every node, delete the install (deploy/uninstall runs it)",
+    )
+    uninstall.add_argument("--config", metavar="FILE", help="YAML config file (key_prefix, budgets, kubeconfig)")
+    uninstall.add_argument(
+        "--namespace", metavar="NS", help="the install's namespace (default: $POD_NAMESPACE, the ServiceAccount's)"
+    )
+    uninstall.add_argument(
+        "--wait-seconds",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="how long to wait for the agents' pods to stop (default 300)",
+    )
+    uninstall.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
 
     fleet = sub.add_parser(
         "fleet", help="every node the agents marked: problems, isolated devices, withheld taints, the budgets"
@@ -238,6 +255,15 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return main_cleanup(config, args.node, args.all_nodes, args.dry_run)
 
 
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    if not 0 <= args.wait_seconds <= 86400:
+        raise UsageError(f"uninstall: --wait-seconds {args.wait_seconds:g} is not within 0..86400")
+    config, _ = load_config_tolerant(args.config, all_probes())  # a ConfigMap of a newer release too
+    from agent.kube.uninstall import main_uninstall  # the kubernetes client is heavy: only when used
+
+    return main_uninstall(config, args.namespace, args.wait_seconds, args.dry_run)
+
+
 def cmd_fleet(args: argparse.Namespace) -> int:
     config = load_config(args.config, all_probes())
     from agent.kube.fleet import main_fleet  # the kubernetes client is heavy: only when used
@@ -259,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_diagnose(args)
         if args.command == "cleanup":
             return cmd_cleanup(args)
+        if args.command == "uninstall":
+            return cmd_uninstall(args)
         if args.command == "fleet":
             return cmd_fleet(args)
         if args.command == "run":

@@ -11,8 +11,9 @@ docs/release.md is the procedure around it. In order, this script:
    .revision (the commit), .source (pyproject.toml's Source URL) and .created (the commit's time, so that a
    rebuild of the same commit is labelled the same), into one manifest list;
 3. pushes it as `<registry>:<version>` and reads back its digest;
-4. pins that digest where the manifests name the image: deploy/kustomization.yaml (newName, newTag, digest: the
-   DaemonSet's image becomes `<registry>:<version>@sha256:...`) and deploy/examples/cleanup-job.yaml;
+4. pins that digest where the manifests name the image: deploy/kustomization.yaml and
+   deploy/uninstall/kustomization.yaml (newName, newTag, digest: the DaemonSet's and the uninstall Job's image
+   becomes `<registry>:<version>@sha256:...`) and deploy/examples/cleanup-job.yaml;
 5. commits that as "Release <version>" and tags it `v<version>` (annotated); pushing the commit and the tag is
    left to you (`git push --follow-tags`).
 
@@ -34,6 +35,7 @@ import tomllib
 REPO = Path(__file__).resolve().parents[1]
 ARCHES = ("amd64", "arm64")
 KUSTOMIZATION = REPO / "deploy" / "kustomization.yaml"
+UNINSTALL = REPO / "deploy" / "uninstall" / "kustomization.yaml"
 CLEANUP_JOB = REPO / "deploy" / "examples" / "cleanup-job.yaml"
 
 
@@ -113,12 +115,13 @@ def push(podman: list[str], manifest: str, target: str, tls_verify: bool) -> str
 
 def pin(registry: str, release: str, digest: str) -> None:
     """The manifests name the released image: by tag for people, by digest for the kubelet."""
-    text = KUSTOMIZATION.read_text()
     entry = f"  - name: node-health\n    newName: {registry}\n    newTag: {release}\n    digest: {digest}\n"
-    text, count = re.subn(r"(?m)^  - name: node-health\n(?:    \S.*\n)*", entry, text)
-    if count != 1:
-        raise Refused("deploy/kustomization.yaml has no `images:` entry `- name: node-health`")
-    KUSTOMIZATION.write_text(text)
+    for kustomization in (KUSTOMIZATION, UNINSTALL):
+        text, count = re.subn(r"(?m)^  - name: node-health\n(?:    \S.*\n)*", entry, kustomization.read_text())
+        if count != 1:
+            where = kustomization.relative_to(REPO)
+            raise Refused(f"{where} has no `images:` entry `- name: node-health`")
+        kustomization.write_text(text)
     # Applied with `kubectl apply -f`, not through the kustomization: the whole reference.
     text, count = re.subn(
         r"(?m)^(\s+image: )\S*node-health:\S+$", rf"\g<1>{registry}:{release}@{digest}", CLEANUP_JOB.read_text()
@@ -162,7 +165,17 @@ def release(args: argparse.Namespace) -> str:
     digest = push(podman, manifest, f"{args.registry}:{current}", args.tls_verify == "true")
     pin(args.registry, current, digest)
     if not args.no_git:
-        run(["git", "commit", "--quiet", "-m", f"Release {current}", "--", *map(str, (KUSTOMIZATION, CLEANUP_JOB))])
+        run(
+            [
+                "git",
+                "commit",
+                "--quiet",
+                "-m",
+                f"Release {current}",
+                "--",
+                *map(str, (KUSTOMIZATION, UNINSTALL, CLEANUP_JOB)),
+            ]
+        )
         run(["git", "tag", "--annotate", f"v{current}", "-m", f"node-health {current}: {args.registry}@{digest}"])
     print(f"released node-health {current}: {args.registry}:{current}@{digest} ({', '.join(args.arch)})")
     return digest

@@ -336,6 +336,48 @@ class KubeApi:
             if exc.status != 404:
                 raise
 
+    # Any kind by its path: what `node-health uninstall` removes of the install (agent.kube.uninstall).
+    def get_object(self, path: str) -> dict[str, Any] | None:
+        """None when it does not exist."""
+        try:
+            return self._call("GET", path)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list_objects(self, path: str, selector: str) -> list[dict[str, Any]] | None:
+        """The objects under `path` that `selector` selects; None when the server does not serve the kind."""
+        try:
+            return list(self._call("GET", path, query=[("labelSelector", selector)]).get("items") or [])
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def merge_patch_object(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("PATCH", path, body=body, content_type=MERGE_PATCH)
+
+    def delete_object(self, path: str, uid: str, grace_seconds: int | None = None) -> bool:
+        """Deletes that object (its uid a precondition: not one created since under the same name), its dependents
+        in the background; grace_seconds 0: a pod at once, without waiting for its kubelet. False when it was
+        already gone."""
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": "Background",
+            "preconditions": {"uid": uid},
+        }
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        try:
+            self._call("DELETE", path, body=body)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
 
 def command_api(config: Config, command: str) -> tuple[KubeApi, kubernetes.client.ApiClient] | None:
     """The API of a command run by an operator (`node-health cleanup`, `node-health fleet`) and its client, which

@@ -25,6 +25,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from support.kustomize import rendered
 from support.netservers import Netns, refused_port
 from support.preflight import SCRIPT, SHELLS, Outcome, preflight
 from support.system import REPO, require, require_root, require_tool
@@ -415,13 +416,6 @@ def component_host_port() -> int:
     return int(port["hostPort"])
 
 
-def kustomize(directory: Path) -> list[dict[str, Any]]:
-    kubectl = require_tool("kubectl")
-    done = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
 def overlay(directory: Path, components: list[Path], extra: str = "") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     resources = [os.path.relpath(REPO / "deploy", directory)]
@@ -455,8 +449,8 @@ PORT_OVERRIDE = """patches:
 
 @pytest.mark.system
 def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path) -> None:
-    assert all("hostPort" not in port for port in agent_ports(kustomize(REPO / "deploy"))), "opt-in only"
-    docs = kustomize(overlay(tmp_path / "host-port", [HOST_PORT_COMPONENT]))
+    assert all("hostPort" not in port for port in agent_ports(rendered(REPO / "deploy"))), "opt-in only"
+    docs = rendered(overlay(tmp_path / "host-port", [HOST_PORT_COMPONENT]))
     port, metrics = agent_ports(docs)
     assert (port["name"], port["containerPort"], port["hostPort"], port["protocol"]) == ("http", 9100, 9123, "TCP")
     assert metrics["name"] == "metrics" and "hostPort" not in metrics, "only the pre-flight port on the node's IP"
@@ -474,7 +468,7 @@ def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path
 
 @pytest.mark.system
 def test_host_port_is_changed_by_a_patch_after_the_component(tmp_path: Path) -> None:
-    docs = kustomize(overlay(tmp_path / "other-port", [HOST_PORT_COMPONENT], PORT_OVERRIDE))
+    docs = rendered(overlay(tmp_path / "other-port", [HOST_PORT_COMPONENT], PORT_OVERRIDE))
     port, _metrics = agent_ports(docs)
     assert (port["containerPort"], port["hostPort"]) == (9100, 9200)
     assert PORT_OVERRIDE in (REPO / "docs" / "preflight.md").read_text()

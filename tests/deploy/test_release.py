@@ -193,6 +193,17 @@ def test_release_builds_both_architectures_pushes_and_pins_the_digest(
     assert images == {f"{repository}:{__version__}@{digest}"}
     cleanup = (checkout / "deploy" / "examples" / "cleanup-job.yaml").read_text()
     assert f"image: {repository}:{__version__}@{digest}\n" in cleanup
+    uninstall = subprocess.run(
+        [require_tool("kubectl"), "kustomize", str(checkout / "deploy" / "uninstall")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert uninstall.returncode == 0, uninstall.stderr
+    (job,) = [d for d in yaml.safe_load_all(uninstall.stdout) if d and d["kind"] == "Job"]
+    assert {c["image"] for c in job["spec"]["template"]["spec"]["containers"]} == {
+        f"{repository}:{__version__}@{digest}"
+    }
     assert git(checkout, "log", "-1", "--format=%s") == f"Release {__version__}"
     assert git(checkout, "status", "--porcelain") == ""
     assert git(checkout, "rev-parse", f"v{__version__}^{{commit}}") == git(checkout, "rev-parse", "HEAD")

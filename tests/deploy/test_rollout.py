@@ -27,6 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes.utils import parse_quantity
+from support.kustomize import overlay, rendered
 from support.netservers import Netns
 from support.system import REPO, require_root, require_tool
 
@@ -40,13 +41,6 @@ DEPLOY = REPO / "deploy"
 NETWORK_POLICY = DEPLOY / "components" / "network-policy"
 VERSIONS = [kubernetes_validate.utils.latest_version(), "1.30"]
 FLEET = 10_000
-
-
-def kustomize(directory: Path) -> list[dict[str, Any]]:
-    kubectl = require_tool("kubectl")
-    done = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -103,7 +97,7 @@ def daemonset_caps(quota: dict[str, Any], daemonset: dict[str, Any]) -> list[str
 
 @pytest.fixture(scope="module")
 def render() -> list[dict[str, Any]]:
-    return kustomize(DEPLOY)
+    return rendered(DEPLOY)
 
 
 @pytest.mark.system
@@ -227,18 +221,9 @@ def test_a_device_node_on_a_read_only_mount_opens_read_write(tmp_path: Path) -> 
 # --- network policy --------------------------------------------------------------------------------------------
 
 
-def overlay(directory: Path, component: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    resources = [os.path.relpath(DEPLOY, directory)]
-    (directory / "kustomization.yaml").write_text(
-        yaml.safe_dump({"resources": resources, "components": [os.path.relpath(component, directory)]})
-    )
-    return directory
-
-
 @pytest.mark.system
 def test_network_policy_opens_the_preflight_to_all_and_metrics_to_monitoring(tmp_path: Path) -> None:
-    docs = kustomize(overlay(tmp_path / "policy", NETWORK_POLICY))
+    docs = rendered(overlay(tmp_path / "policy", [DEPLOY], (NETWORK_POLICY,)))
     (policy,) = by_kind(docs, "NetworkPolicy")
     (daemonset,) = by_kind(docs, "DaemonSet")
     for doc in (policy, daemonset):
@@ -258,7 +243,7 @@ def test_network_policy_opens_the_preflight_to_all_and_metrics_to_monitoring(tmp
     # The component turns /metrics and /status off on the port it opens to everyone.
     assert {"name": STATUS_ON_MAIN_PORT_ENV, "value": "false"} in agent_container(daemonset)["env"]
     # Without the component nothing restricts the agent, which keeps /status on 9100 too.
-    plain = kustomize(DEPLOY)
+    plain = rendered(DEPLOY)
     assert by_kind(plain, "NetworkPolicy") == []
     assert STATUS_ON_MAIN_PORT_ENV not in {e["name"] for e in agent_container(by_kind(plain, "DaemonSet")[0])["env"]}
 
@@ -328,7 +313,7 @@ def test_the_ports_the_manifests_name_are_the_ones_the_agent_opens(tmp_path: Pat
     """kubectl apply -k deploy/ (or with the network-policy component): the DaemonSet's ports are the shipped
     config's, the PodMonitor scrapes the one that serves /metrics, the Service and the kubelet's probes use the one
     that serves /ready, and with the policy the port open to every pod serves no /metrics or /status."""
-    docs = kustomize(overlay(tmp_path / "policy", NETWORK_POLICY) if policy else DEPLOY)
+    docs = rendered(overlay(tmp_path / "policy", [DEPLOY], (NETWORK_POLICY,)) if policy else DEPLOY)
     (daemonset,) = by_kind(docs, "DaemonSet")
     container = agent_container(daemonset)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -365,6 +350,8 @@ def test_the_manifests_name_this_release() -> None:
     assert ("digest" in entry) == ("newName" in entry), "a release pins both the registry and the digest"
     daemonset = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())
     assert agent_container(daemonset)["image"] == f"node-health:{__version__}"
+    uninstall = yaml.safe_load((DEPLOY / "uninstall" / "kustomization.yaml").read_text())
+    assert [image for image in uninstall["images"] if image["name"] == "node-health"] == [entry], "pinned alike"
     cleanup = (DEPLOY / "examples" / "cleanup-job.yaml").read_text()
     expected = (
         f"{entry['newName']}:{__version__}@{entry['digest']}" if "digest" in entry else f"node-health:{__version__}"
@@ -380,7 +367,7 @@ def test_the_canary_overlay_runs_one_pool_in_dry_run(tmp_path: Path) -> None:
     """deploy/examples/canary used as docs/deployment.md says: copied next to the checkout."""
     (tmp_path / "node-health").symlink_to(REPO, target_is_directory=True)
     shutil.copytree(DEPLOY / "examples" / "canary", tmp_path / "canary")
-    docs = kustomize(tmp_path / "canary")
+    docs = rendered(tmp_path / "canary")
     (daemonset,) = by_kind(docs, "DaemonSet")
     selector = daemonset["spec"]["template"]["spec"]["nodeSelector"]
     assert selector == {"node-health-canary": "true"}
@@ -389,7 +376,7 @@ def test_the_canary_overlay_runs_one_pool_in_dry_run(tmp_path: Path) -> None:
     assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
     canary = yaml.safe_load(configmap["data"]["config.yaml"])
     assert parse_config(canary, all_probes()).kubernetes.dry_run is True
-    shipped = shipped_config(kustomize(DEPLOY))
+    shipped = shipped_config(rendered(DEPLOY))
     assert shipped["kubernetes"].pop("dry_run") is False and canary["kubernetes"].pop("dry_run") is True
     assert canary == shipped, "the canary's config is the shipped one but for dry_run"
     for doc in (daemonset, configmap):

@@ -372,7 +372,7 @@ class FakeNode:
 
     def start_agent(self) -> None:
         env = node_env()
-        with self.log_path.open("wb") as log:
+        with self.log_path.open("ab") as log:
             self.agent = subprocess.Popen(
                 [
                     sys.executable,
@@ -452,7 +452,8 @@ class FakeNode:
     ) -> None:
         self.close()
 
-    def close(self) -> None:
+    def stop_agent(self) -> None:
+        """As the container runtime stops it: SIGTERM to the agent and its children, SIGKILL after 10 s."""
         if self.agent is not None and self.agent.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.agent.pid, signal.SIGTERM)
@@ -462,6 +463,9 @@ class FakeNode:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.agent.pid, signal.SIGKILL)
                 self.agent.wait(timeout=10)
+
+    def close(self) -> None:
+        self.stop_agent()
         if self._holder is not None and self._holder.poll() is None:
             self._holder.kill()
             self._holder.wait(timeout=10)

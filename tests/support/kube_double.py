@@ -14,7 +14,9 @@ way kube-apiserver does them:
 - faults: 409, 429 (with Retry-After), 500, 403, slow answers, reset connections, and a whole outage
   (listener closed, live connections cut: the client sees connection refused);
 - `resource.k8s.io` (kube_dra.py): discovery of v1 / v1beta2 or no DRA at all, ResourceSlices with field
-  selectors, DeviceTaintRules with strict field validation (`serve_dra(release)`; none by default).
+  selectors, DeviceTaintRules with strict field validation (`serve_dra(release)`; none by default);
+- the kinds of an install (kube_install.py: namespaces, DaemonSets, RBAC, admission policies, ...), graceful pod
+  deletion, the garbage collector (ownerReferences) and namespace deletion, which an uninstall relies on.
 
 Every write is recorded (`double.writes`) so tests can count the API writes an agent makes; every request,
 its query and the bytes of its answer too (`double.log`), so tests can check which verbs the agent uses and
@@ -43,7 +45,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import kubernetes.client
 
-from support import kube_dra
+from support import kube_dra, kube_install
 from support.kube_semantics import (
     JSON_PATCH,
     KINDS,
@@ -108,6 +110,7 @@ class Request:
     status: int
     sent: int  # bytes of the answer's body
     accept: str = ""
+    token: str = ""  # the bearer token it carried: whose request it was
 
 
 @dataclass
@@ -147,6 +150,8 @@ class ApiDouble:
         self.token: str | None = None
         # resource.k8s.io as a release serves it: version → resources (kube_dra.RELEASES); empty: no DRA.
         self.dra: dict[str, tuple[str, ...]] = {}
+        # Whether the Prometheus Operator's CRDs are installed (monitoring.coreos.com/v1 served).
+        self.prometheus_operator = False
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -390,6 +395,7 @@ class ApiDouble:
                 raise ApiError(400, "BadRequest", "resourceVersion should not be set on objects to be created")
             metadata["uid"] = str(uuid.uuid4())
             metadata["creationTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            kube_install.refuse_create_in_terminating(self, namespace)
             if namespace:
                 metadata["namespace"] = namespace
             body["apiVersion"] = api_version
@@ -440,9 +446,16 @@ class ApiDouble:
             return self._save(resource, namespace, name, result)
 
     def delete(
-        self, resource: str, namespace: str, name: str, preconditions: dict[str, Any] | None = None
+        self,
+        resource: str,
+        namespace: str,
+        name: str,
+        preconditions: dict[str, Any] | None = None,
+        grace_seconds: int | None = None,
     ) -> dict[str, Any]:
-        """DeleteOptions.preconditions (uid, resourceVersion) that do not hold are a 409, as from the API."""
+        """DeleteOptions.preconditions (uid, resourceVersion) that do not hold are a 409, as from the API. A pod on a
+        node is deleted gracefully, a namespace with its content, dependents by the garbage collector
+        (kube_install.py)."""
         with self._lock:
             current = self._store.objects.get((resource, namespace, name))
             if current is None:
@@ -455,10 +468,26 @@ class ApiDouble:
                         "Conflict",
                         f"Precondition failed: {key}: {wanted}, actual: {current['metadata'].get(key)}",
                     )
-            obj = self._store.objects.pop((resource, namespace, name))
-            self._store.encoded.pop((resource, namespace, name), None)
-            self._store.revision += 1
-            return obj
+            return kube_install.delete(self, (resource, namespace, name), grace_seconds)
+
+    # The store under its lock, for kube_install's deletion semantics.
+    def stored_keys(self) -> list[tuple[str, str, str]]:
+        return sorted(self._store.objects)
+
+    def has(self, key: tuple[str, str, str]) -> bool:
+        return key in self._store.objects
+
+    def stored(self, key: tuple[str, str, str]) -> dict[str, Any]:
+        return copy.deepcopy(self._store.objects[key])
+
+    def store(self, key: tuple[str, str, str], obj: dict[str, Any]) -> dict[str, Any]:
+        return self._save(*key, obj)
+
+    def remove(self, key: tuple[str, str, str]) -> dict[str, Any]:
+        obj = self._store.objects.pop(key)
+        self._store.encoded.pop(key, None)
+        self._store.revision += 1
+        return obj
 
     def patch(
         self, resource: str, namespace: str, name: str, subresource: str, content_type: str, patch: Any
@@ -604,11 +633,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(
         self, method: str, path: str, query: dict[str, list[str]], content_type: str, body: Any
     ) -> tuple[int, Any]:
-        if path == "/apis" or path.startswith("/apis/"):
+        if path == "/apis" or path.startswith(f"/apis/{kube_dra.GROUP}"):
             return kube_dra.route(self.api, method, path, query, content_type, body, self._warnings)
         match = _PATH.match(path)
         if match is None:
-            raise ApiError(404, "NotFound", f"the server could not find the requested resource {path}")
+            return kube_install.route(self.api, method, path, query, content_type, body)
         resource, namespace, name, sub = match["resource"], match["ns"] or "", match["name"], match["sub"] or ""
         if (resource in NAMESPACED) != bool(match["ns"]) and not (method == "GET" and name is None):
             raise ApiError(404, "NotFound", f"no such path {path}")
@@ -660,7 +689,9 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "PATCH":
             return 200, api.patch(resource, namespace, name, sub, content_type, body)
         if method == "DELETE":
-            api.delete(resource, namespace, name, (body or {}).get("preconditions") if isinstance(body, dict) else None)
+            options = body if isinstance(body, dict) else {}
+            grace = query.get("gracePeriodSeconds", [options.get("gracePeriodSeconds")])[0]
+            api.delete(resource, namespace, name, options.get("preconditions"), None if grace is None else int(grace))
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
         raise ApiError(405, "MethodNotAllowed", method)
 
@@ -681,7 +712,8 @@ class _Handler(BaseHTTPRequestHandler):
         method, path, query = self._current
         with self.api._lock:
             accept = self.headers.get("Accept") or ""
-            self.api.log.append(Request(method, path, query, status, len(data), accept))
+            bearer = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+            self.api.log.append(Request(method, path, query, status, len(data), accept, bearer))
             self.api.bytes_sent += len(data)
         try:
             self.send_response(status)
