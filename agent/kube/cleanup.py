@@ -15,7 +15,7 @@ from typing import Any
 
 from agent.config import Config, KubernetesConfig
 from agent.kube.budget import TaintBudget
-from agent.kube.client import KubeApi, agent_namespace, command_api, is_status, short_error
+from agent.kube.client import KubeApi, agent_namespace, is_status, run_command, short_error
 from agent.kube.device_cleanup import clean_devices
 from agent.kube.plan import plan_cleanup
 
@@ -107,12 +107,5 @@ def _release(
 
 def main_cleanup(config: Config, node: str | None, all_nodes: bool, dry_run: bool) -> int:
     """The CLI: --node NAME, --all-nodes, or (neither) this node."""
-    opened = command_api(config, "cleanup")
-    if opened is None:
-        return EXIT_API_ERROR
-    api, client = opened
     target = None if all_nodes else (node or config.resolved_node_name)
-    try:
-        return cleanup(api, config, target, dry_run, print)
-    finally:
-        client.close()
+    return run_command(config, "cleanup", lambda api: cleanup(api, config, target, dry_run, print))

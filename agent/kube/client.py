@@ -52,9 +52,12 @@ def load_api_client(config: Config) -> kubernetes.client.ApiClient:
 
 
 def agent_namespace(policy: KubernetesConfig) -> str:
-    """The budget ConfigMap's namespace: budget_namespace, else $POD_NAMESPACE, else the ServiceAccount's."""
-    if policy.budget_namespace:
-        return policy.budget_namespace
+    """The budget ConfigMap's namespace: budget_namespace, else the pod's own (own_namespace)."""
+    return policy.budget_namespace or own_namespace()
+
+
+def own_namespace() -> str:
+    """The namespace this runs in: $POD_NAMESPACE, else the ServiceAccount's, else node-health."""
     if os.environ.get("POD_NAMESPACE"):
         return os.environ["POD_NAMESPACE"]
     with contextlib.suppress(OSError):
@@ -379,12 +382,15 @@ class KubeApi:
         return True
 
 
-def command_api(config: Config, command: str) -> tuple[KubeApi, kubernetes.client.ApiClient] | None:
-    """The API of a command run by an operator (`node-health cleanup`, `node-health fleet`) and its client, which
-    the caller closes; None, said on stderr, when there are no credentials."""
+def run_command(config: Config, command: str, body: Callable[[KubeApi], int]) -> int:
+    """A command run by an operator (`node-health cleanup`, `uninstall`, `fleet`): `body` with the API, its exit
+    status; 1, said on stderr, when there are no credentials."""
     try:
         client = load_api_client(config)
     except Exception as exc:  # noqa: BLE001 - no kubeconfig, no service account: say so
         print(f"node-health {command}: cannot load Kubernetes credentials: {exc}", file=sys.stderr)
-        return None
-    return KubeApi(lambda: client, config.kubernetes.request_timeout_seconds), client
+        return 1
+    try:
+        return body(KubeApi(lambda: client, config.kubernetes.request_timeout_seconds))
+    finally:
+        client.close()

@@ -22,7 +22,7 @@ from typing import Any
 
 from agent.config import Config, KubernetesConfig
 from agent.kube.budget import TaintBudget
-from agent.kube.client import KubeApi, agent_namespace, command_api, short_error
+from agent.kube.client import KubeApi, agent_namespace, run_command, short_error
 from agent.kube.device_budget import DeviceBudget
 from agent.kube.dra import discover, own_rules
 from agent.kube.policy import isolated_devices_key, ready_label_key, taint_key
@@ -242,16 +242,13 @@ def _budget_line(budget: Budget) -> str:
 
 
 def main_fleet(config: Config, selector: str, as_json: bool, out: Callable[[str], None] = print) -> int:
-    opened = command_api(config, "fleet")
-    if opened is None:
-        return EXIT_API_ERROR
-    api, client = opened
-    try:
-        view = fleet_view(api, config, selector, time.time())
-    except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it
-        print(f"node-health fleet: nodes not listed: {short_error(exc)}", file=sys.stderr)
-        return EXIT_API_ERROR
-    finally:
-        client.close()
-    out(json.dumps(view.to_document(), indent=2) if as_json else format_fleet(view))
-    return EXIT_DONE
+    def show(api: KubeApi) -> int:
+        try:
+            view = fleet_view(api, config, selector, time.time())
+        except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it
+            print(f"node-health fleet: nodes not listed: {short_error(exc)}", file=sys.stderr)
+            return EXIT_API_ERROR
+        out(json.dumps(view.to_document(), indent=2) if as_json else format_fleet(view))
+        return EXIT_DONE
+
+    return run_command(config, "fleet", show)

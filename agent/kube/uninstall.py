@@ -23,8 +23,6 @@ and what is left is still there to read. Nothing else ever cleans up: a rolling 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from urllib.parse import quote
 
 from agent.config import Config
 from agent.kube.cleanup import EXIT_DONE, cleanup
-from agent.kube.client import SERVICE_ACCOUNT_DIR, KubeApi, agent_namespace, command_api, short_error
+from agent.kube.client import KubeApi, agent_namespace, own_namespace, run_command, short_error
 
 EXIT_FAILED = 1
 NAME_LABEL = "app.kubernetes.io/name"
@@ -87,17 +85,6 @@ INSTALLED = (
 
 Out = Callable[[str], None]
 Owned = list[tuple[Kind, dict[str, Any]]]
-
-
-def install_namespace() -> str:
-    """The uninstaller's own namespace, the install's: $POD_NAMESPACE, else the ServiceAccount's, else node-health."""
-    if os.environ.get("POD_NAMESPACE"):
-        return os.environ["POD_NAMESPACE"]
-    with contextlib.suppress(OSError):
-        text = (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip()
-        if text:
-            return text
-    return INSTALL
 
 
 def _where(kind: Kind, item: dict[str, Any]) -> str:
@@ -279,11 +266,6 @@ def uninstall(
 
 
 def main_uninstall(config: Config, namespace: str | None, wait_seconds: float, dry_run: bool) -> int:
-    opened = command_api(config, "uninstall")
-    if opened is None:
-        return EXIT_FAILED
-    api, client = opened
-    try:
-        return uninstall(api, config, namespace or install_namespace(), wait_seconds, dry_run, print)
-    finally:
-        client.close()
+    """The CLI: the install's namespace is --namespace, else this pod's own."""
+    where = namespace or own_namespace()
+    return run_command(config, "uninstall", lambda api: uninstall(api, config, where, wait_seconds, dry_run, print))

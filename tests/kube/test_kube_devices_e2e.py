@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +19,6 @@ from agent.kube.devices import rule_name
 
 NODE = "fake-node-1"
 LET_IT_TAINT = {"max_unhealthy": "100%"}
-
-
-def wait_for(what: str, check: Callable[[], Any], node: FakeNode, timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.3)
-    raise AssertionError(f"{what} within {timeout:g}s; agent log: {node.log_path.read_text()[-3000:]}")
 
 
 def our_rules(api: ApiDouble) -> dict[str, dict[str, Any]]:
@@ -55,8 +44,8 @@ def test_one_chip_held_out_of_band_gets_one_rule_and_the_node_keeps_its_other_ch
         assert api is not None
         driver = "gpu.nvidia.com" if category == "gpu" else "npu.huawei.com"
         name = rule_name("node-health", category, NODE, driver, device)
-        rules = wait_for("a rule for the held chip", lambda: our_rules(api), node)
-        wait_for("the storage taint", lambda: "storage" in our_taints(api.node(NODE)), node)
+        rules = node.wait_for("a rule for the held chip", lambda: our_rules(api))
+        node.wait_for("the storage taint", lambda: "storage" in our_taints(api.node(NODE)))
         time.sleep(2)  # a few more passes: nothing else appears
         rules = our_rules(api)
         assert list(rules) == [name], "exactly one rule, for the chip that is held"
@@ -81,9 +70,9 @@ def test_one_chip_held_out_of_band_gets_one_rule_and_the_node_keeps_its_other_ch
         assert 'nodehealth_devices_isolated{mechanism="dra"} 1.0' in metrics
 
         node.stop_holder()
-        wait_for("the rule deleted on recovery", lambda: not our_rules(api), node)
-        wait_for(
-            "the condition healthy", lambda: conditions(api.node(NODE))[condition["type"]]["status"] == "True", node
+        node.wait_for("the rule deleted on recovery", lambda: not our_rules(api))
+        node.wait_for(
+            "the condition healthy", lambda: conditions(api.node(NODE))[condition["type"]]["status"] == "True"
         )
 
 
@@ -93,7 +82,7 @@ def test_without_dra_the_held_gpu_taints_the_node_as_today(tmp_path: Path) -> No
     with FakeNode(tmp_path, require_fixtures(), hold="nvidia3", kube_settings=LET_IT_TAINT) as node:
         api = node.api
         assert api is not None
-        wait_for("the gpu taint", lambda: "gpu" in our_taints(api.node(NODE)), node)
+        node.wait_for("the gpu taint", lambda: "gpu" in our_taints(api.node(NODE)))
         assert our_taints(api.node(NODE))["gpu"] == ("GpuHeldOutOfBand", "NoSchedule")
         assert api.device_taint_rules() == []
         message = conditions(api.node(NODE))["GPUHealthy"]["message"]

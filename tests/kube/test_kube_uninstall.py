@@ -5,12 +5,13 @@ restart of the agent cleans up nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,16 +127,6 @@ class Kubelet(threading.Thread):
             time.sleep(0.1)
 
 
-def wait_for(what: str, check: Callable[[], Any], node: FakeNode, timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.3)
-    raise AssertionError(f"{what} within {timeout:g}s; agent log: {node.log_path.read_text()[-3000:]}")
-
-
 def our_rules(api: ApiDouble) -> list[str]:
     return [r["metadata"]["name"] for r in api.device_taint_rules(OURS)]
 
@@ -177,8 +168,11 @@ def run_uninstall(node: FakeNode, api: ApiDouble, tmp_path: Path, *extra: str) -
     )
 
 
-@pytest.mark.system
-def test_uninstall_in_one_step_leaves_nothing_of_the_install(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def installed_agent(tmp_path: Path, pod: str) -> Iterator[tuple[FakeNode, ApiDouble, Kubelet, list[dict[str, Any]]]]:
+    """The install on the API double, its agent on a fake node (a GPU held outside any pod, isolated by a
+    DeviceTaintRule; a stale FileBaton tainting the node for storage) in pod `pod`, played by a Kubelet; yielded
+    once the agent has marked its node."""
     require_root()  # mknod of the fake device nodes
     settings = {"max_unhealthy": "100%"}
     with FakeNode(
@@ -189,6 +183,15 @@ def test_uninstall_in_one_step_leaves_nothing_of_the_install(tmp_path: Path) -> 
         api.prometheus_operator = True
         docs = install_documents(tmp_path)
         install(api, docs)
+        kubelet = Kubelet(api, agent_pod(api, pod, NODE), node.stop_agent)
+        kubelet.start()
+        node.wait_for("the storage taint, the label and the GPU's DeviceTaintRule", lambda: marked(api))
+        yield node, api, kubelet, docs
+
+
+@pytest.mark.system
+def test_uninstall_in_one_step_leaves_nothing_of_the_install(tmp_path: Path) -> None:
+    with installed_agent(tmp_path, "node-health-x7k2p") as (node, api, kubelet, docs):
         foreign = foreign_objects(api)
         api.mutate(
             "nodes",
@@ -208,9 +211,6 @@ def test_uninstall_in_one_step_leaves_nothing_of_the_install(tmp_path: Path) -> 
                 {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting"}
             ),
         )
-        kubelet = Kubelet(api, agent_pod(api, "node-health-x7k2p", NODE), node.stop_agent)
-        kubelet.start()
-        wait_for("the storage taint, the label and the GPU's DeviceTaintRule", lambda: marked(api), node)
         assert exists(api, ("configmaps", NS, "node-health-budget"))
         assert exists(api, ("configmaps", NS, "node-health-device-budget"))
 
@@ -238,17 +238,7 @@ def test_uninstall_in_one_step_leaves_nothing_of_the_install(tmp_path: Path) -> 
 def test_a_rolling_restart_cleans_up_nothing(tmp_path: Path) -> None:
     """The DaemonSet's rollout replaces the agent's pod: its node keeps its taint, label, condition and rule
     throughout, and the new agent takes them over without writing them again."""
-    require_root()
-    settings = {"max_unhealthy": "100%"}
-    with FakeNode(
-        tmp_path, require_fixtures(), hold="nvidia3", dra="1.37", publish=("gpu",), kube_settings=settings
-    ) as node:
-        api = node.api
-        assert api is not None
-        install(api, install_documents(tmp_path))
-        kubelet = Kubelet(api, agent_pod(api, "node-health-old01", NODE), node.stop_agent)
-        kubelet.start()
-        wait_for("the taint, label and rule", lambda: marked(api), node)
+    with installed_agent(tmp_path, "node-health-old01") as (node, api, kubelet, _):
         before_node, before_rules = ours_on(api.node(NODE)), our_rules(api)
         lost: list[str] = []
 
@@ -260,7 +250,7 @@ def test_a_rolling_restart_cleans_up_nothing(tmp_path: Path) -> None:
 
         api.after_write = watch
         api.delete("pods", NS, "node-health-old01")  # the rollout
-        wait_for("the old agent stopped", lambda: kubelet.stopped_at is not None, node)
+        node.wait_for("the old agent stopped", lambda: kubelet.stopped_at is not None)
         writes_before = len(api.writes)
         agent_pod(api, "node-health-new02", NODE)
         node.start_agent()

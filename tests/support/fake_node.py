@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -411,6 +412,17 @@ class FakeNode:
                 return
             time.sleep(0.2)
         raise RuntimeError(f"probes without a finished run after {timeout:g}s: {pending}")
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
+        """check()'s first true answer, polled; an AssertionError naming `what`, with the agent's log, after
+        `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = check()
+            if result:
+                return result
+            time.sleep(0.3)
+        raise AssertionError(f"{what} within {timeout:g}s; agent log: {self.log_path.read_text()[-3000:]}")
 
     # --- use ---------------------------------------------------------------------------------------
 

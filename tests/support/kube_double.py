@@ -689,9 +689,7 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "PATCH":
             return 200, api.patch(resource, namespace, name, sub, content_type, body)
         if method == "DELETE":
-            options = body if isinstance(body, dict) else {}
-            grace = query.get("gracePeriodSeconds", [options.get("gracePeriodSeconds")])[0]
-            api.delete(resource, namespace, name, options.get("preconditions"), None if grace is None else int(grace))
+            api.delete(resource, namespace, name, *kube_install.delete_options(body, query))
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
         raise ApiError(405, "MethodNotAllowed", method)
 

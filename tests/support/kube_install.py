@@ -106,11 +106,16 @@ def route(
     if method == "PATCH":
         return 200, api.patch(resource, namespace, name, "", content_type, body)
     if method == "DELETE":
-        options = body if isinstance(body, dict) else {}
-        grace = query.get("gracePeriodSeconds", [options.get("gracePeriodSeconds")])[0]
-        api.delete(resource, namespace, name, options.get("preconditions"), None if grace is None else int(grace))
+        api.delete(resource, namespace, name, *delete_options(body, query))
         return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
     raise ApiError(405, "MethodNotAllowed", method)
+
+
+def delete_options(body: Any, query: dict[str, list[str]]) -> tuple[dict[str, Any] | None, int | None]:
+    """(preconditions, gracePeriodSeconds) of a DELETE: DeleteOptions in its body, the grace also in its query."""
+    options = body if isinstance(body, dict) else {}
+    grace = query.get("gracePeriodSeconds", [options.get("gracePeriodSeconds")])[0]
+    return options.get("preconditions"), None if grace is None else int(grace)
 
 
 def _parse(api: ApiDouble, path: str) -> tuple[str, str, str, str | None]:
