@@ -250,7 +250,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     if args.node is not None and not args.node.strip():
         raise UsageError("cleanup: --node needs a node name")
     config, _ = load_config_tolerant(args.config, all_probes())  # the uninstall must work after a rollback too
-    from agent.kube.cleanup import main_cleanup  # the kubernetes client is heavy: only when used
+    from agent.kube.ops.cleanup import main_cleanup  # the kubernetes client is heavy: only when used
 
     return main_cleanup(config, args.node, args.all_nodes, args.dry_run)
 
@@ -259,14 +259,14 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
     if not 0 <= args.wait_seconds <= 86400:
         raise UsageError(f"uninstall: --wait-seconds {args.wait_seconds:g} is not within 0..86400")
     config, _ = load_config_tolerant(args.config, all_probes())  # a ConfigMap of a newer release too
-    from agent.kube.uninstall import main_uninstall  # the kubernetes client is heavy: only when used
+    from agent.kube.ops.uninstall import main_uninstall  # the kubernetes client is heavy: only when used
 
     return main_uninstall(config, args.namespace, args.wait_seconds, args.dry_run)
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     config = load_config(args.config, all_probes())
-    from agent.kube.fleet import main_fleet  # the kubernetes client is heavy: only when used
+    from agent.kube.ops.fleet import main_fleet  # the kubernetes client is heavy: only when used
 
     return main_fleet(config, args.selector, args.json)
 

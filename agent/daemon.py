@@ -14,10 +14,10 @@ from typing import Any
 from agent.config import Config, ConfigError, load_config_tolerant, status_on_main_port
 from agent.configcompat import ConfigNotes
 from agent.configfile import ConfigFileError, read_bounded
-from agent.http import HttpServer
+from agent.http.pod import PodLedger
+from agent.http.routes import HttpServer
 from agent.logs import configure_logging
 from agent.metrics import MetricsRenderer
-from agent.readypod import PodLedger
 from agent.scheduler import Scheduler, build_state, instantiate
 from agent.version import __version__
 from probes import all_probes

@@ -52,7 +52,7 @@ HOST_MEM_BELOW_REQUEST = Reason(
     also=(Status.UNKNOWN,),
 )
 
-# /ready?pod=<namespace>/<name> (agent/readypod.py): the pod's devices come from the kubelet's ledger; when they
+# /ready?pod=<namespace>/<name> (agent/http/pod.py): the pod's devices come from the kubelet's ledger; when they
 # cannot be told the answer is not ready with one of these, unless the query gave devices= to fall back to.
 LEDGER_UNAVAILABLE = Reason(
     "LedgerUnavailable",

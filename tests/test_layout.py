@@ -97,9 +97,9 @@ AGENT_LAYERS = (
     ("agent.timestamps", "agent.reasons"),
     ("agent.snapshot",),
     ("agent.ready",),
-    ("agent.state", "agent.readypod"),
-    ("agent.httpanswers",),
-    ("agent.http", "agent.metrics"),
+    ("agent.state", "agent.http.pod"),
+    ("agent.http.answers",),
+    ("agent.http.routes", "agent.metrics"),
 )
 
 

@@ -1,11 +1,12 @@
-"""The agent on the Kubernetes side: taints, labels, conditions and events on its own Node.
+"""The agent on the Kubernetes side, in two wings the reconciler composes, and the operator's commands apart.
 
-- `policy`: what the Node should carry, from a health snapshot (pure).
-- `plan`: the patch to send, from the snapshot, the Node as read and the policy (pure).
-- `budget`: the cluster taint budget (a ConfigMap of slots, compare-and-swap).
-- `reconciler`: the thread that applies plans (`KubeAgent`); `events`: its Event queue; `report`: /status, metrics.
 - `client`: loading the client, the API calls the package makes, error classification, backoff.
-- `cleanup`: `node-health cleanup`, before an uninstall.
+- `reconciler`: the thread that applies the node wing's plans and runs the devices wing (`KubeAgent`).
+- `slots`: the ConfigMap of slots both cluster budgets share (nodes and devices).
+- `pods`: the node's pods as the probes need them (UID, namespace, name, Volcano's placement).
+- `node/`: taints, labels, conditions and Events on the agent's own Node, within the taint budget.
+- `devices/`: one bad chip isolated alone (DRA DeviceTaintRules, MindCluster public faults), within the device budget.
+- `ops/`: the operator's commands (`cleanup`, `fleet`, `uninstall`); the daemon never imports them.
 """
 
 from agent.kube.client import load_api_client

@@ -339,7 +339,7 @@ class KubeApi:
             if exc.status != 404:
                 raise
 
-    # Any kind by its path: what `node-health uninstall` removes of the install (agent.kube.uninstall).
+    # Any kind by its path: what `node-health uninstall` removes of the install (agent.kube.ops.uninstall).
     def get_object(self, path: str) -> dict[str, Any] | None:
         """None when it does not exist."""
         try:

@@ -1,4 +1,4 @@
-"""The reconciler thread: applies plans (`agent.kube.plan`) to the agent's own Node.
+"""The reconciler thread: applies plans (`agent.kube.node.plan`) to the agent's own Node.
 
 Reads the same immutable health snapshot HTTP and metrics read; never runs a probe.
 
@@ -12,7 +12,7 @@ Reads the same immutable health snapshot HTTP and metrics read; never runs a pro
 - Safety: dry_run computes and shows what would be written and writes nothing; a restart keeps what the
   previous run left until fresh results decide (see policy's "hold").
 - Resilience: API errors back off exponentially with jitter; Events have their own queue and backoff
-  (`agent.kube.events`), so an Event the API refuses never holds back a taint.
+  (`agent.kube.node.events`), so an Event the API refuses never holds back a taint.
 - Clocks: every retry, heartbeat and backoff (the device isolator's too) runs on the monotonic clock
   (`monotonic`), which no clock step moves; the wall clock (`clock`) only stamps what is written out (conditions,
   events, budget records).
@@ -32,7 +32,6 @@ from typing import Any
 import kubernetes.client
 
 from agent.config import Config, KubernetesConfig
-from agent.kube.budget import BudgetResult, BudgetSettings, TaintBudget
 from agent.kube.client import (
     Backoff,
     KubeApi,
@@ -43,13 +42,14 @@ from agent.kube.client import (
     retry_after,
     short_error,
 )
-from agent.kube.device_report import device_samples, device_status
-from agent.kube.events import EventQueue
-from agent.kube.isolator import DeviceIsolator, Hooks
-from agent.kube.plan import Plan, SlotView, plan_desired
+from agent.kube.devices.isolator import DeviceIsolator, Hooks
+from agent.kube.devices.report import device_samples, device_status
+from agent.kube.node.budget import BudgetResult, BudgetSettings, TaintBudget
+from agent.kube.node.events import EventQueue
+from agent.kube.node.plan import Plan, SlotView, plan_desired
+from agent.kube.node.policy import Desired, desired_state
+from agent.kube.node.report import status_document, status_samples
 from agent.kube.pods import NodePods
-from agent.kube.policy import Desired, desired_state
-from agent.kube.report import status_document, status_samples
 from agent.snapshot import Snapshot
 from agent.timestamps import rfc3339
 

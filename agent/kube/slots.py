@@ -1,4 +1,4 @@
-"""What the two cluster budgets share (agent.kube.budget for nodes, agent.kube.device_budget for devices): a
+"""What the two cluster budgets share (agent.kube.node.budget for nodes, agent.kube.devices.budget for devices): a
 ConfigMap of slots, one data key per node holding some, and two annotations, how many slots are taken
 (`<prefix>/<slots key>`) and the fleet record (`<prefix>/<fleet key>`: the count a percentage needs, when it was
 counted, when the holders were last verified, who is counting now: a lease). Every change is a compare-and-swap

@@ -7,7 +7,7 @@ import re
 
 from support.system import REPO
 
-from agent.http import ready_text
+from agent.http.routes import ready_text
 from agent.snapshot import Verdict
 from probes.base import Finding, Status
 

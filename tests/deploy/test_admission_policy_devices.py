@@ -28,7 +28,7 @@ from test_admission_policy import (
 )
 
 from agent.config import KubernetesConfig
-from agent.kube.devices import RULE_LABELS
+from agent.kube.devices.match import RULE_LABELS
 
 POLICY_FILE = REPO / "deploy" / "admission-policy-devices.yaml"
 

@@ -32,9 +32,9 @@ from support.fake_node import FakeNode
 from support.preflight import SHELLS, Outcome, preflight
 from support.system import require_fixtures, require_root
 
-from agent.http import HttpServer
-from agent.httpserver import Request, Response
-from agent.readypod import PodLedger
+from agent.http.pod import PodLedger
+from agent.http.routes import HttpServer
+from agent.http.server import Request, Response
 from agent.state import HealthState, ProbeSpec
 from probes.base import Finding, Status
 

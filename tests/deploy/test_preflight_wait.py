@@ -3,7 +3,7 @@ and bash -e; NODE_HEALTH_WAIT_SECONDS waits out an agent that is warming up (eve
 there are more than the text answer lists) but never a real not-ready; an agent that refuses connections for
 load is "agent overloaded", exit 4, never failed open; GitHub Actions annotations.
 
-The agent here is the agent's own HTTP server and health state (agent/http.py, agent/state.py) on 127.0.0.1, with
+The agent here is the agent's own HTTP server and health state (agent/http/routes.py, agent/state.py) on 127.0.0.1, with
 its probes configured but not run, so it stays in warm-up until the test records their first results; overload is
 its real connection limit (Limits) with the last slot held by the test.
 """
@@ -23,8 +23,8 @@ from support.netservers import refused_port
 from support.preflight import SHELLS, Outcome, preflight, shell_argv
 from support.system import require_tool
 
-from agent.http import TEXT_REASONS_MAX, HttpServer
-from agent.httpserver import Limits
+from agent.http.routes import TEXT_REASONS_MAX, HttpServer
+from agent.http.server import Limits
 from agent.metrics import MetricsRenderer
 from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Finding, Status

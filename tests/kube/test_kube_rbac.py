@@ -15,9 +15,9 @@ from support.rbac import assert_least_privilege, calls
 from support.system import REPO
 
 from agent.config import parse_config
-from agent.kube.cleanup import cleanup
 from agent.kube.client import KubeApi
-from agent.kube.devices import RULE_LABELS, rule_name
+from agent.kube.devices.match import RULE_LABELS, rule_name
+from agent.kube.ops.cleanup import cleanup
 
 PROBES = {"network": ("network.dns",), "gpu": ("gpu.holders",)}
 PUBLIC_FAULTS = REPO / "deploy" / "components" / "mindcluster-public-faults" / "rbac.yaml"

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from agent.kube.events import EventQueue
+from agent.kube.node.events import EventQueue
 from agent.logs import CONTINUATION, JsonFormatter, TextFormatter, configure_logging
 from probes.base import Event, Finding, Sample, Status
 from probes.text import ELLIPSIS, ESCAPE_GROWTH_MAX, ESCAPES_MAX, REPLACEMENT, clip, escape, escape_value, one_line
