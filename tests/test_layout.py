@@ -456,3 +456,36 @@ def test_a_dropped_in_probe_file_is_listed_checked_and_configured(tree_with_exam
     bad.write_text("example: {threshold: many}\n")
     refused = run_cli(tree_with_example, "check", "--only", "example", "--config", str(bad))
     assert refused.returncode == 2 and "example.threshold" in refused.stderr
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every file under root that imports a test module or a conftest (shared parts belong in tests/support)."""
+    tests = {path.stem for path in root.rglob("test_*.py")} | {"conftest"}
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + ([alias.name for alias in node.names] if not node.module else [])
+            else:
+                continue
+            offenders.extend(
+                f"{path.relative_to(root)} imports {name}"
+                for name in names
+                if any(part in tests for part in name.split("."))
+            )
+    return sorted(offenders)
+
+
+def test_tests_never_import_another_test_module() -> None:
+    """docs/development.md: tests import helpers from tests/support, never from conftest.py or a test module."""
+    assert imports_of_test_modules(REPO / "tests") == []
+
+
+def test_the_test_import_rule_sees_one(tmp_path: Path) -> None:
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "test_a.py").write_text("X = 1\n")
+    (tmp_path / "deploy" / "test_b.py").write_text("from test_a import X\nimport conftest\n")
+    (tmp_path / "support.py").write_text("import yaml\n")
+    assert imports_of_test_modules(tmp_path) == ["deploy/test_b.py imports conftest", "deploy/test_b.py imports test_a"]
