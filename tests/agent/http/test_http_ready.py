@@ -507,7 +507,7 @@ def test_status_is_serialized_once_per_snapshot_and_shows_the_http_figures() -> 
         figures = body["http"]
         assert set(figures) == {"connections", "peers", "refused_total", "long_polls", "tasks", "unsent_bytes", "ports"}
         assert figures["ports"] == [
-            {"port": server.port, "routes": ["/ready", "/healthz", "/started", "/metrics", "/status"]}
+            {"port": server.port, "routes": ["/ready", "/preflight.sh", "/healthz", "/started", "/metrics", "/status"]}
         ]
         assert figures["connections"] >= 1 and figures["refused_total"] == 0
         metrics = running.get("/metrics")[2]
