@@ -102,3 +102,19 @@ def test_accelerator_nodes_narrows_only_the_daemonset(tmp_path: Path, version: s
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     verdicts = {name: selects(terms, labels) for name, (labels, _) in NODES.items()}
     assert verdicts == {name: wanted for name, (_, wanted) in NODES.items()}
+
+
+def test_the_readme_install_starts_with_the_image_and_its_images_entry_sets_it(tmp_path: Path) -> None:
+    """README's Deploy: step 0 builds and pushes the image (scripts/release.py) or sets `images:`; that entry,
+    in an overlay, makes the DaemonSet's image the registry's."""
+    section = (REPO / "README.md").read_text().split("## Deploy", 1)[1]
+    assert section.lstrip().startswith("0. **Image**") and "scripts/release.py --registry" in section
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    images = yaml.safe_load("\n".join(line[3:] for line in block.splitlines()))["images"]
+    directory = overlay(tmp_path / "o", [DEPLOY])
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump({**kustomization, "images": images}))
+    daemonset = next(doc for doc in rendered(directory) if doc["kind"] == "DaemonSet")
+    image = daemonset["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.startswith(f"{images[0]['newName']}:{images[0]['newTag']}")
+    assert "kubectl -n node-health exec ds/node-health -- node-health fleet" in section
