@@ -16,6 +16,7 @@ from agent.configcompat import ConfigNotes
 from agent.configfile import ConfigFileError, read_bounded
 from agent.http.pod import PodLedger
 from agent.http.routes import HttpServer
+from agent.kube.pods import PodFeed
 from agent.logs import configure_logging
 from agent.metrics import MetricsRenderer
 from agent.scheduler import Scheduler, build_state, instantiate
@@ -103,18 +104,20 @@ class Agent:
         self.probes = instantiate(self.probe_classes)
         self.host = Host.from_config(config.section(HostConfig))
         self.state = build_state(config)
-        self.scheduler = Scheduler(self.probes, config, self.host, self.state)
+        # The one seam by which the node's pods reach the probes and /ready?pod=; the Kubernetes side connects to it.
+        self.pods = PodFeed()
+        self.scheduler = Scheduler(self.probes, config, self.host, self.state, pods=self.pods)
         self.reloads: dict[str, int] = {"ok": 0, "error": 0}
         self.last_reload_error = ""
         # Keys of the running config this release does not know, set aside (agent/configcompat.py).
         self.config_notes = self._notes_of(config_path)
         self.kube: Any = None
         self.metrics = MetricsRenderer(self.state.current, [self._agent_samples])
-        # /ready?pod=: the kubelet's ledger as the config of the moment names it, the node's pods once Kubernetes runs.
+        # /ready?pod=: the kubelet's ledger as the config of the moment names it, the node's pods from the feed.
         self.pod_ledger = PodLedger(
             lambda: self.config.kubernetes.pod_resources_socket,
             lambda: self.config.kubernetes.pod_resources_timeout_seconds,
-            lambda: self.kube.pods if self.kube is not None else None,
+            lambda: self.pods,
         )
         self.http = HttpServer(
             self.state,
@@ -215,7 +218,7 @@ class Agent:
             # service account or kubeconfig never keeps HTTP and metrics from serving.
             self.kube = KubeAgent(self.config, self.config.resolved_node_name, self.state.current)
             self.kube.start()
-            self.scheduler.pods = self.kube.pods  # the node's pods, for the checks against the device ledger
+            self.pods.connect(self.kube.pods)
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()

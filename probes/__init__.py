@@ -5,6 +5,12 @@ title, docs page); `probes/<family>/<name>.py` holds the probe named `<family>.<
 probe named just `<family>` lives in `probes/<family>/<family>.py`. A single module `probes/<name>.py` may
 be a family of its own. `probes/runtime/` is the probe runtime (host access, /proc scanning, py-spy);
 `probes/base.py` the contract. Nothing in this package imports `agent`.
+
+- `base`: the contract (statuses, findings, reasons, categories, the probe class and registry); `family`:
+  families and their config sections; `text`: text escaped and bounded for where it is shown.
+- `ledger`: what the npu and gpu families say alike of the device plugins' ledger.
+- `runtime/`: the probe runtime. The families: `host/`, `npu/`, `pcie/`, `gpu/`, `storage/`, `network/`,
+  `time/`, `kernel/` (the kernel log).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ adding a probe is one file, and the config keys and defaults of 0.1 still stand.
 from __future__ import annotations
 
 import ast
+import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,8 +40,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports, at any level (lazy imports count: they run too)."""
+@functools.cache
+def imported_modules(path: Path) -> frozenset[str]:
+    """Every module a file imports, at any level (lazy imports count: they run too). Read once per run: the
+    layering tests walk the same tree."""
     tree = ast.parse(path.read_text())
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     found: set[str] = set()
@@ -54,7 +58,7 @@ def imported_modules(path: Path) -> set[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    return found
+    return frozenset(found)
 
 
 def test_probes_import_nothing_from_agent() -> None:
@@ -111,6 +115,139 @@ def test_the_health_state_layers_import_only_downwards() -> None:
             imported = imported_modules(REPO / (name.replace(".", "/") + ".py"))
             offenders.extend(f"{name} imports {other}" for other in sorted(imported & not_below - {name}))
     assert offenders == []
+
+
+def agent_graph(packages_too: bool = True) -> dict[str, set[str]]:
+    """Module → the modules of agent/ and probes/ it imports; `packages_too`: with the packages above them
+    (importing a module runs its packages' __init__ too)."""
+    modules = {module_name(path): path for path in python_files(*PACKAGES)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = {m for m in imported_modules(path) if m in modules}
+        if packages_too:
+            found |= {parent for m in set(found) for parent in parents(m) if parent in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start, *parents(start)]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph.get(name, ()))
+    return seen
+
+
+def test_the_daemon_never_imports_the_operators_commands() -> None:
+    """agent.kube.ops (cleanup, fleet, uninstall) is the command line's: nothing the daemon imports, lazily or
+    not, directly or through another module, reaches it."""
+    graph = agent_graph()
+    assert "agent.kube.ops.fleet" in graph and "agent.kube.reconciler" in reachable(graph, "agent.daemon")
+    reached = sorted(
+        m for m in reachable(graph, "agent.daemon") if m == "agent.kube.ops" or m.startswith("agent.kube.ops.")
+    )
+    assert reached == []
+
+
+def test_the_reach_walk_follows_imports_through_packages() -> None:
+    """The walk above can fail: the command line does reach the operator's commands."""
+    assert "agent.kube.ops.uninstall" in reachable(agent_graph(), "agent.cli")
+
+
+# The wings, lowest first: a unit imports only units of lower rows (and modules of its own package). The HTTP
+# and Kubernetes wings read the snapshot and never each other, and nothing of theirs reaches back up into the
+# daemon, the scheduler or the command line.
+WING_ROWS = (
+    ("agent.kube.client",),
+    ("agent.kube.slots", "agent.kube.pods"),
+    ("agent.kube.node",),
+    ("agent.kube.devices",),
+    ("agent.kube.reconciler", "agent.kube.ops"),
+    ("agent.kube",),
+)
+ABOVE_THE_WINGS = ("agent.daemon", "agent.cli", "agent.scheduler", "agent.diagnose", "agent.metrics")
+
+
+def wing_unit(module: str) -> str | None:
+    """The unit of WING_ROWS a module of agent/kube belongs to (its subpackage, or itself)."""
+    for row in WING_ROWS:
+        for unit in row:
+            if module == unit or (unit != "agent.kube" and module.startswith(unit + ".")):
+                return unit
+    return None
+
+
+def wing_offenders(graph: dict[str, set[str]]) -> list[str]:
+    rank = {unit: index for index, row in enumerate(WING_ROWS) for unit in row}
+    offenders = []
+    for name, imported in sorted(graph.items()):
+        if name.startswith("agent.http"):
+            offenders.extend(
+                f"{name} imports {m}" for m in sorted(imported) if m.startswith("agent.kube") or m in ABOVE_THE_WINGS
+            )
+        unit = wing_unit(name)
+        if unit is None:
+            continue
+        for other in sorted(imported):
+            if other.startswith("agent.http") or other in ABOVE_THE_WINGS:
+                offenders.append(f"{name} imports {other}")
+            target = wing_unit(other)
+            if target is not None and target != unit and rank[target] >= rank[unit]:
+                offenders.append(f"{name} ({unit}) imports {other} ({target})")
+    return offenders
+
+
+def test_the_wings_import_one_way() -> None:
+    assert wing_offenders(agent_graph(packages_too=False)) == []
+
+
+def test_the_wing_rule_catches_an_import_back_up() -> None:
+    graph = agent_graph(packages_too=False)
+    graph["agent.kube.node.plan"] = graph["agent.kube.node.plan"] | {"agent.kube.devices.match"}
+    graph["agent.kube.ops.fleet"] = graph["agent.kube.ops.fleet"] | {"agent.kube.reconciler"}
+    graph["agent.http.routes"] = graph["agent.http.routes"] | {"agent.kube.pods"}
+    assert wing_offenders(graph) == [
+        "agent.http.routes imports agent.kube.pods",
+        "agent.kube.node.plan (agent.kube.node) imports agent.kube.devices.match (agent.kube.devices)",
+        "agent.kube.ops.fleet (agent.kube.ops) imports agent.kube.reconciler (agent.kube.reconciler)",
+    ]
+
+
+def package_maps() -> Iterator[tuple[Path, list[str]]]:
+    """Each package under agent/ and probes/ with the modules and subpackages its docstring's map lacks."""
+    for init in sorted(path for root in PACKAGES for path in (REPO / root).rglob("__init__.py")):
+        package = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        named = {word for span in re.findall(r"`([^`]+)`", doc) for word in re.findall(r"[A-Za-z_]\w*", span)}
+        members = [p.stem for p in package.glob("*.py") if p.name != "__init__.py"]
+        members += [d.name for d in package.iterdir() if (d / "__init__.py").is_file()]
+        yield init, sorted(m for m in members if m not in named)
+
+
+def test_every_package_docstring_maps_its_modules() -> None:
+    """A package's __init__ docstring is its map: every module and subpackage named in backquotes."""
+    missing = {str(init.relative_to(REPO)): names for init, names in package_maps() if names}
+    assert missing == {}
+    assert len(list(package_maps())) >= 17  # agent, http, kube and its three wings, probes and every family
+
+
+def test_the_map_check_sees_a_module_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "agent" / "wing"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('"""The wing.\n\n- `mapped`: here.\n"""\n')
+    for name in ("mapped", "forgotten"):
+        (package / f"{name}.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert [(str(i.relative_to(tmp_path)), names) for i, names in package_maps()] == [
+        ("agent/wing/__init__.py", ["forgotten"])
+    ]
 
 
 def test_every_probe_belongs_to_a_family_whose_docs_page_exists() -> None:
@@ -319,3 +456,36 @@ def test_a_dropped_in_probe_file_is_listed_checked_and_configured(tree_with_exam
     bad.write_text("example: {threshold: many}\n")
     refused = run_cli(tree_with_example, "check", "--only", "example", "--config", str(bad))
     assert refused.returncode == 2 and "example.threshold" in refused.stderr
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """Every file under root that imports a test module or a conftest (shared parts belong in tests/support)."""
+    tests = {path.stem for path in root.rglob("test_*.py")} | {"conftest"}
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + ([alias.name for alias in node.names] if not node.module else [])
+            else:
+                continue
+            offenders.extend(
+                f"{path.relative_to(root)} imports {name}"
+                for name in names
+                if any(part in tests for part in name.split("."))
+            )
+    return sorted(offenders)
+
+
+def test_tests_never_import_another_test_module() -> None:
+    """docs/development.md: tests import helpers from tests/support, never from conftest.py or a test module."""
+    assert imports_of_test_modules(REPO / "tests") == []
+
+
+def test_the_test_import_rule_sees_one(tmp_path: Path) -> None:
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "test_a.py").write_text("X = 1\n")
+    (tmp_path / "deploy" / "test_b.py").write_text("from test_a import X\nimport conftest\n")
+    (tmp_path / "support.py").write_text("import yaml\n")
+    assert imports_of_test_modules(tmp_path) == ["deploy/test_b.py imports conftest", "deploy/test_b.py imports test_a"]

@@ -1,13 +1,15 @@
 """What HTTP answers look like: /ready's JSON and text bodies, error answers. Pure functions over a verdict.
 
 /ready answers JSON by default and plain text (`format=text`, or `Accept: text/plain`) for job logs: the first
-line says `ready` or `not ready` (and, for `pod=`, which devices were judged), then one bounded line per reason
-with its fix (ASCII `...` where a line is cut: the reader may be a terminal).
+line says `ready` or `not ready` (and, for `pod=`, which devices were judged), then each reason with its fix,
+wrapped at word boundaries into lines of at most TEXT_LINE_MAX characters, the continuation lines indented by two
+spaces, at most TEXT_REASON_LINES lines a reason (ASCII `...` where it is cut: the reader may be a terminal).
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -19,7 +21,11 @@ from probes.text import ASCII_ELLIPSIS, clip, one_line
 
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TEXT_TYPE = "text/plain; charset=utf-8"
-TEXT_LINE_MAX = 200  # characters per text line, so a CI log shows each reason whole
+TEXT_LINE_MAX = 200  # characters per text line, so a CI log shows each line whole
+TEXT_REASON_LINES = 4  # lines per reason: a first line and up to three continuation lines
+CONTINUATION = "  "  # a continuation line starts with it; a reason's first line never does
+# What a reason may say in all, its words wrapped: room to spare in TEXT_REASON_LINES lines, whatever the breaks.
+TEXT_REASON_ROOM = TEXT_LINE_MAX * TEXT_REASON_LINES * 3 // 4
 TEXT_REASONS_MAX = 20
 _FIX = " -- fix: "
 
@@ -53,18 +59,30 @@ def ready_body(node: str, verdict: Verdict, scope: Scope | None = None) -> dict[
     return body
 
 
-def reason_line(finding: Finding) -> str:
-    """`fail storage.space /data DiskFull: 98% used -- fix: clean caches`, at most TEXT_LINE_MAX characters;
-    the message and the fix share the room, each ellipsized only as far as needed."""
-    prefix = (
+def reason_lines(finding: Finding) -> list[str]:
+    """`fail storage.space /data DiskFull: 98% used -- fix: clean caches`, wrapped at word boundaries into lines of
+    at most TEXT_LINE_MAX characters (continuations indented by CONTINUATION), at most TEXT_REASON_LINES of them.
+    The message and the fix share TEXT_REASON_ROOM characters, each cut with `...` only as far as needed, so the
+    fix shows whatever the message's length; a word longer than a line is split."""
+    head = (
         f"{finding.status.value} {_fold(finding.check, 48)} {_fold(finding.subject, 48) or '-'} "
         f"{_fold(finding.reason, 48)}: "
     )
     message, hint = _fold(finding.message), _fold(finding.hint)
-    room = TEXT_LINE_MAX - len(prefix) - (len(_FIX) if hint else 0)
+    room = TEXT_REASON_ROOM - len(head) - (len(_FIX) if hint else 0)
     hint_room = min(len(hint), max(room // 2, room - len(message)))
-    line = prefix + _cut(message, room - hint_room)
-    return line + _FIX + _cut(hint, hint_room) if hint else line
+    text = head + _cut(message, room - hint_room) + (_FIX + _cut(hint, hint_room) if hint else "")
+    if len(text) <= TEXT_LINE_MAX:
+        return [text]
+    wrapped = textwrap.wrap(
+        text,
+        TEXT_LINE_MAX,
+        subsequent_indent=CONTINUATION,
+        break_on_hyphens=False,
+        max_lines=TEXT_REASON_LINES,
+        placeholder=" " + ASCII_ELLIPSIS,
+    )
+    return wrapped or [_cut(text, TEXT_LINE_MAX)]
 
 
 def ready_text(node: str, verdict: Verdict, scope: Scope | None = None) -> bytes:
@@ -76,7 +94,7 @@ def ready_text(node: str, verdict: Verdict, scope: Scope | None = None) -> bytes
         lines = [f"ready on {name}"]
     else:
         lines = [f"not ready on {name}: {count} reason{'' if count == 1 else 's'}"]
-    lines.extend(reason_line(finding) for finding in verdict.reasons[:TEXT_REASONS_MAX])
+    lines.extend(line for finding in verdict.reasons[:TEXT_REASONS_MAX] for line in reason_lines(finding))
     if count > TEXT_REASONS_MAX:
         lines.append(f"... and {count - TEXT_REASONS_MAX} more (the JSON answer and /status list them all)")
     return ("\n".join(lines) + "\n").encode()

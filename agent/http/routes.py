@@ -1,4 +1,4 @@
-"""HTTP: the routes /ready, /healthz, /started, /metrics, /status, on one port or two. Read-only.
+"""HTTP: the routes /ready, /healthz, /started, /metrics, /status and /preflight.sh, on one port or two. Read-only.
 
 The server (agent/http/server.py) runs its own asyncio loop in its own thread, so no probe, lock or
 Kubernetes call can delay it. Every answer is judged from `HealthState.current()`; /ready's query is parsed
@@ -6,11 +6,12 @@ and judged by agent/ready.py (`pod=` by agent/http/pod.py), its answers are agen
 (`/ready?wait=S`) wait on a future resolved when the state publishes a new snapshot. Every answer is computed
 from the snapshot at most once per snapshot where it can be (/ready without parameters, /metrics, /status).
 
-Ports: `port` serves /ready, /healthz and /started, and /metrics and /status too unless `status_on_main_port` is
-off; `metrics_port` (None: no second port) serves /metrics, /status, /healthz and /started, so that a
-NetworkPolicy, which selects ports and not paths, can leave /ready open to every pod and /status to monitoring
-only. Both ports are listeners of one HttpServerCore: one connection budget, one loop. A metrics port that cannot
-be bound is logged and left out (`metrics_port_error`): the pre-flight port never goes down for it.
+Ports: `port` serves /ready, /preflight.sh, /healthz and /started, and /metrics and /status too unless
+`status_on_main_port` is off; `metrics_port` (None: no second port) serves /metrics, /status, /healthz and
+/started, so that a NetworkPolicy, which selects ports and not paths, can leave /ready open to every pod and
+/status to monitoring only. Both ports are listeners of one HttpServerCore: one connection budget, one loop. A
+metrics port that cannot be bound is logged and left out (`metrics_port_error`): the pre-flight port never goes
+down for it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Hashable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from agent.http.answers import METRICS_TYPE as METRICS_TYPE
@@ -39,6 +41,9 @@ from probes.base import Sample
 log = logging.getLogger(__name__)
 
 MAX_LONG_POLLS = 256
+# deploy/examples/preflight.sh, shipped in the package (the same bytes: tests/deploy/test_preflight_served.py).
+PREFLIGHT_SCRIPT = (Path(__file__).parent / "preflight.sh").read_bytes()
+SCRIPT_TYPE = "text/x-shellscript; charset=utf-8"
 STATUS_MAX_AGE_SECONDS = 1.0
 
 
@@ -75,7 +80,8 @@ class HttpServer:
         self.long_polls = 0
         common: dict[str, Handler] = {"/healthz": self._healthz_handler, "/started": self._started}
         status: dict[str, Handler] = {"/metrics": self._metrics, "/status": self._status}
-        self.core = HttpServerCore({"/ready": self._ready, **common, **(status if status_on_main_port else {})}, limits)
+        main = {"/ready": self._ready, "/preflight.sh": self._preflight, **common}
+        self.core = HttpServerCore({**main, **(status if status_on_main_port else {})}, limits)
         self.metrics_routes: dict[str, Handler] = {**status, **common}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future[None] | None = None
@@ -375,6 +381,13 @@ class HttpServer:
             return json_answer({"error": "/healthz takes no parameters"}, 400)
         healthy, detail = self._healthz()
         return json_answer({"ok": healthy, **detail}, 200 if healthy else 503)
+
+    def _preflight(self, request: Request) -> Response:
+        """The jobs' pre-flight script, as this release ships it: an init container fetches it from its node's agent
+        and runs it, so no namespace keeps a copy (docs/preflight.md)."""
+        if request.query_string:
+            return json_answer({"error": "/preflight.sh takes no parameters"}, 400)
+        return Response(200, PREFLIGHT_SCRIPT, content_type=SCRIPT_TYPE)
 
     def _started(self, request: Request) -> Response:
         """The DaemonSet's readiness: every configured probe has finished (or timed out in) a run since the agent

@@ -1,6 +1,13 @@
 """The node's pods as the probes need them (`probes.runtime.podresources.pods.PodDirectory`): UID, namespace,
 name and Volcano's `huawei.com/AscendReal`, for the npu and gpu checks against the device plugin's ledger.
 
+`PodFeed` is the one seam by which this list reaches the probes: the daemon makes one feed, hands it to the
+scheduler (the probes' context, `ctx.kubelet.pods`) and to `/ready?pod=` (agent.http.pod), and connects the
+Kubernetes side's `NodePods` to it once that side runs. Data flows one way through it: the probes read the list
+(`current`) and may ask for a newer one (`want_fresh`); nothing of theirs reaches the API. Until it is connected
+(Kubernetes off) the feed has no list, which the checks read as "the node's pod list is not available". The
+feed itself loads nothing of the kubernetes client (the daemon imports it at start, Kubernetes or not).
+
 The list is this node's pods' metadata only (`KubeApi.list_node_pods_metadata`: a field selector on
 spec.nodeName, resourceVersion=0 so the API server answers from its watch cache), made in this module's own
 thread: once at start, then only when a probe asks (`want_fresh`: a pod the list does not know yet, or one newer
@@ -14,11 +21,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.kube.client import KubeApi, short_error
 from probes.runtime.podresources.ledger import ASCEND_REAL_ANNOTATION
-from probes.runtime.podresources.pods import PodIndex, PodMeta
+from probes.runtime.podresources.pods import PodDirectory, PodIndex, PodMeta
+
+if TYPE_CHECKING:
+    from agent.kube.client import KubeApi
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,29 @@ def pod_index(items: list[dict[str, Any]], fetched_at: float) -> PodIndex:
             )
         )
     return PodIndex(tuple(pods), fetched_at)
+
+
+class PodFeed:
+    """The probes' view of the node's pods (a `PodDirectory`), fed by whatever source the daemon connects."""
+
+    def __init__(self) -> None:
+        self._source: PodDirectory | None = None
+
+    def connect(self, source: PodDirectory | None) -> None:
+        self._source = source
+
+    @property
+    def connected(self) -> bool:
+        return self._source is not None
+
+    def current(self) -> PodIndex | None:
+        source = self._source
+        return source.current() if source is not None else None
+
+    def want_fresh(self) -> None:
+        source = self._source
+        if source is not None:
+            source.want_fresh()
 
 
 class NodePods:
@@ -78,6 +110,8 @@ class NodePods:
 
     def refresh(self) -> bool:
         """One list now (the thread's step; tests call it directly). False when it failed."""
+        from agent.kube.client import short_error  # the client is heavy: loaded with the Kubernetes side only
+
         self._last_attempt = time.monotonic()
         started = self._clock()
         try:

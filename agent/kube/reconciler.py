@@ -35,7 +35,6 @@ from agent.config import Config, KubernetesConfig
 from agent.kube.client import (
     Backoff,
     KubeApi,
-    agent_namespace,
     classify,
     is_status,
     load_api_client,
@@ -44,11 +43,11 @@ from agent.kube.client import (
 )
 from agent.kube.devices.isolator import DeviceIsolator, Hooks
 from agent.kube.devices.report import device_samples, device_status
-from agent.kube.node.budget import BudgetResult, BudgetSettings, TaintBudget
 from agent.kube.node.events import EventQueue
-from agent.kube.node.plan import Plan, SlotView, plan_desired
+from agent.kube.node.plan import Plan, plan_desired
 from agent.kube.node.policy import Desired, desired_state
 from agent.kube.node.report import status_document, status_samples
+from agent.kube.node.seat import BudgetSeat
 from agent.kube.pods import NodePods
 from agent.snapshot import Snapshot
 from agent.timestamps import rfc3339
@@ -81,7 +80,6 @@ class KubeAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._api_obj: KubeApi | None = None
-        self._budget_obj: TaintBudget | None = None
         policy = config.kubernetes
 
         self._applied: tuple[Any, ...] | None = None
@@ -89,13 +87,9 @@ class KubeAgent:
         self._next_heartbeat = 0.0
         self._retry_at = 0.0
         self._backoff = Backoff(policy.backoff_initial_seconds, policy.backoff_max_seconds, self._rng)
-        self._slot_held: bool | None = None  # None: not known yet (a previous run may hold one)
-        self._denied: BudgetResult | None = None
-        self._budget_retry_at = 0.0
-        self._budget_backoff = Backoff(policy.budget_retry_seconds, policy.budget_retry_max_seconds, self._rng)
-        self._suppressed: dict[str, str] = {}
-        self._wanted_taints = ""
-        self._budget_seen: BudgetResult | None = None
+        self.seat = BudgetSeat(
+            node_name, self._api, clock, monotonic, self._rng, lambda what: self._wrote("budget", what), policy
+        )
         self.events = EventQueue(
             node_name,
             clock,
@@ -144,16 +138,17 @@ class KubeAgent:
             with contextlib.suppress(Exception):
                 self._client.close()
             self._client = None
-            self._api_obj = self._budget_obj = None
+            self._api_obj = None
+            self.seat.forget_client()
 
     def reconfigure(self, config: Config) -> None:
         with self._lock:
             self._config = config
             self._dirty = True
-            self._api_obj = self._budget_obj = None
+            self._api_obj = None
             policy = config.kubernetes
             self._backoff = Backoff(policy.backoff_initial_seconds, policy.backoff_max_seconds, self._rng)
-            self._budget_backoff = Backoff(policy.budget_retry_seconds, policy.budget_retry_max_seconds, self._rng)
+            self.seat.reconfigure(policy)
         self._devices.reconfigure()
 
     def reconcile_once(self) -> None:
@@ -207,19 +202,6 @@ class KubeAgent:
             self._api_obj = KubeApi(self._load_client, self._config.kubernetes.request_timeout_seconds)
         return self._api_obj
 
-    def _budget(self, policy: KubernetesConfig) -> TaintBudget:
-        if self._budget_obj is None:
-            self._budget_obj = TaintBudget(
-                self._api(),
-                self.node,
-                agent_namespace(policy),
-                policy.budget_configmap,
-                policy.key_prefix,
-                self._clock,
-                lambda what: self._wrote("budget", what),
-            )
-        return self._budget_obj
-
     def _wrote(self, kind: str, what: str) -> None:
         with self._lock:
             self.writes[kind] += 1
@@ -243,9 +225,9 @@ class KubeAgent:
         fingerprint = desired.fingerprint()
         changed = self._dirty or fingerprint != self._applied
         heartbeat = tick >= self._next_heartbeat
-        budget_due = bool(self._suppressed) and tick >= self._budget_retry_at
+        budget_due = self.seat.due(tick)
         # A node waiting for a slot asks the budget first: one GET, and reads the Node only when granted.
-        granted = budget_due and not (changed or heartbeat) and self._slot_granted(policy)
+        granted = budget_due and not (changed or heartbeat) and self.seat.granted(policy, self._would)
         if changed or heartbeat or granted:
             self._reconcile(desired, policy, now, heartbeat)
             self._applied = fingerprint
@@ -267,9 +249,9 @@ class KubeAgent:
         node = api.get_node(self.node)
         plan = Plan()
         for attempt in range(policy.conflict_retries + 1):
-            plan = plan_desired(desired, node, policy, now=now, slot=self._slot_view(), heartbeat=heartbeat)
+            plan = plan_desired(desired, node, policy, now=now, slot=self.seat.view(), heartbeat=heartbeat)
             if plan.slot_request:
-                view = self._ask_budget(policy, plan.blocking_taints, plan.slot_request == "register")
+                view = self.seat.ask(policy, plan.blocking_taints, plan.slot_request == "register", self._would)
                 plan = plan_desired(desired, node, policy, now=now, slot=view, heartbeat=heartbeat)
             if plan.node_patch is None:
                 break
@@ -287,22 +269,10 @@ class KubeAgent:
                 continue
             self._wrote("node", plan.node_change)
             break
-        self._wanted_taints = plan.blocking_taints
-        self._suppressed = dict(plan.suppressed)
-        if not plan.suppressed:
-            self._denied = None
-            self._budget_backoff.reset()
+        self.seat.withheld(plan)
         self._write_conditions(plan, policy)
-        self._release(plan, policy)  # last: the conditions tell what happened even when the ConfigMap fails
-
-    def _release(self, plan: Plan, policy: KubernetesConfig) -> None:
-        if plan.release:
-            if policy.dry_run:
-                if self._slot_held:
-                    self._would("budget", "release this node's slot", None)
-            else:
-                self._budget(policy).release()
-                self._slot_held = False
+        # Last: the conditions tell what happened even when the ConfigMap fails.
+        self.seat.release(plan, policy, self._would)
 
     def _write_conditions(self, plan: Plan, policy: KubernetesConfig) -> None:
         if plan.status_patch is None:
@@ -314,48 +284,6 @@ class KubeAgent:
         self._wrote("node_status", plan.status_change)
         for event in plan.events:
             self.events.add(event.reason, event.message, event.warning)
-
-    # --- the budget ----------------------------------------------------------------------------
-
-    def _slot_granted(self, policy: KubernetesConfig) -> bool:
-        return self._ask_budget(policy, self._wanted_taints, False).state == "held"
-
-    def _slot_view(self) -> SlotView:
-        if self._slot_held:
-            return SlotView("held")
-        denied = self._denied
-        if denied is not None and self._monotonic() < self._budget_retry_at:
-            return SlotView("denied", denied.used, denied.limit, denied.counting)
-        return SlotView("unknown" if self._slot_held is None else "free")
-
-    def _ask_budget(self, policy: KubernetesConfig, taints: str, already_tainted: bool) -> SlotView:
-        budget = self._budget(policy)
-        settings = BudgetSettings.from_policy(policy)
-        if policy.dry_run:
-            result = budget.usage(settings)
-            if result.granted and not self._slot_held:
-                self._would("budget", f"take a slot for {taints}", None)
-        else:
-            result = budget.acquire(settings, taints, already_tainted, peek_first=self._slot_held is False)
-        self._budget_seen = result
-        if result.granted:
-            if not policy.dry_run:
-                self._slot_held = True
-            self._denied = None
-            self._budget_backoff.reset()
-            return SlotView("held")
-        self._slot_held = False
-        self._denied = result
-        delay = self._budget_backoff.next_delay()
-        self._budget_retry_at = self._monotonic() + delay
-        log.warning(
-            "kubernetes: taint budget spent (%d of %d slots taken): not tainting for %s; asking again in %.0fs",
-            result.used,
-            result.limit,
-            taints,
-            delay,
-        )
-        return SlotView("denied", result.used, result.limit, result.counting)
 
     # --- reporting -----------------------------------------------------------------------------
 
@@ -370,7 +298,8 @@ class KubeAgent:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            document = status_document(self, self._config.kubernetes, self._budget_view())
+            policy = self._config.kubernetes
+            document = status_document(self, policy, self.seat.status(policy.max_unhealthy))
         document["node_pods"] = self.pods.status()
         document["devices"] = device_status(self._devices.view())
         return document
@@ -380,26 +309,13 @@ class KubeAgent:
             samples = status_samples(self, self._config.kubernetes)
         return samples + device_samples(self._devices.view())
 
-    def _budget_view(self) -> dict[str, Any]:
-        seen = self._budget_seen
-        return {
-            "max_unhealthy": self._config.kubernetes.max_unhealthy,
-            "slot_held": self._slot_held,
-            "used": seen.used if seen else None,
-            "limit": seen.limit if seen else None,
-            "suppressed": dict(self._suppressed),
-            "next_request_in_seconds": round(max(0.0, self._budget_retry_at - self._monotonic()), 1)
-            if self._suppressed
-            else None,
-        }
-
     @property
     def suppressed(self) -> dict[str, str]:
-        return dict(self._suppressed)
+        return self.seat.suppressed
 
     @property
     def slot_held(self) -> bool | None:
-        return self._slot_held
+        return self.seat.held
 
     @property
     def backoff_seconds(self) -> float:

@@ -228,6 +228,10 @@ warming_up_only() { # every reason of the not-ready text answer is one to wait o
     for _line in $_rest; do
         IFS=$_saved_ifs
         case $_line in
+            '  '*) # a long reason's next line (the agent wraps its lines at 200 characters): its first line tells
+                IFS=$NL
+                continue
+                ;;
             '... and '*) # more reasons than the text lists: ask for them all (JSON) and look at every one
                 IFS=$_saved_ifs
                 warming_up_in_json

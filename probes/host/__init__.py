@@ -1,6 +1,8 @@
 """host.memory and host.shm: host memory for pinned buffers and hugepages, and /dev/shm.
 
 Its config section also says where the host's /proc, /sys, /dev and root are.
+
+- `host`: the probe (host.memory, host.shm); `config`: the `host:` section, where the host's filesystems are.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""The kernel log (/dev/kmsg) matched against node-problem-detector style rules."""
+"""The kernel log (/dev/kmsg) matched against node-problem-detector style rules.
+
+- `log`: the probe (kernel.log); `config`: the `kernel_log:` section.
+- `kmsg`: /dev/kmsg's record format and its non-blocking reader; `rules`: the rule engine; `default_rules`: the
+  default rules, with where each spelling comes from.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""Network: DNS, egress to the hosts jobs need, NIC links, the HCCL port range."""
+"""Network: DNS, egress to the hosts jobs need, NIC links, the HCCL port range.
+
+- `dns`, `egress`, `links`, `ports`: the probes network.dns, network.egress, network.links, network.ports;
+  `config`: the `network:` section; `reasons`: the reasons dns and egress share.
+- `egress_check`: one egress target, phase by phase (name, TCP, proxy CONNECT, TLS, HTTP).
+- `netns`: running a function in another network namespace; `proc_net`: /proc/net rows and port sysctls parsed.
+"""
 
 from __future__ import annotations
 

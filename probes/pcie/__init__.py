@@ -1,4 +1,9 @@
-"""PCIe AER error counters and link training of the accelerators and the ports above them."""
+"""PCIe AER error counters and link training of the accelerators and the ports above them.
+
+- `pcie`: the probe (pcie.aer, pcie.link); `config`: the `pcie:` section.
+- `sysfs`: the PCI functions to check and their link state; `devices`: which accelerators a function serves;
+  `aer`: the AER counters and what changed between runs.
+"""
 
 from __future__ import annotations
 

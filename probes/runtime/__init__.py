@@ -8,13 +8,15 @@
 - `procfs`: /proc reading (process info, cgroup → pod classification, device numbers); `procstat`: the one
   /proc/PID/stat parser.
 - `fdscan`: the /proc/*/fd scan, in forked scanners that a hung filesystem cannot block; `fdtable`: what a
-  scanner reads, one process's fd table after another.
+  scanner reads, one process's fd table after another; `mapscan`: the device nodes a process has mapped.
 - `holders`: who holds a device node or port, in which pod, and how to stop it (npu, gpu, ports).
 - `pyspy`: py-spy stack dumps and their classification (FileBaton wait, lock wait, idle loop, ...).
-- `resolver`: name resolution against the host's or the pod's resolver, from plain values; `parallel`: the
+- `resolver`: name resolution against the host's or the pod's resolver, from plain values (`dnsquery`: one
+  name looked up nameserver after nameserver as the C library would); `parallel`: the
   independent checks of one probe run in threads, under its deadline.
 - `addresses`: host:port parsing shared by config models; `inventory`: which accelerator is on which PCI
   function.
+- `podresources/`: the kubelet's PodResources API (the device plugins' ledger) and the node's pods.
 
 Nothing here knows of findings, HTTP or Kubernetes (nothing imports `probes.base`), and nothing imports `agent`.
 """

@@ -1,4 +1,9 @@
-"""Clock: the kernel's sync state (adjtimex) and the offset against NTP servers."""
+"""Clock: the kernel's sync state (adjtimex) and the offset against NTP servers.
+
+- `time`: the probe (time.sync); `config`: the `time:` section.
+- `kernel_clock`: the kernel's discipline state (adjtimex); `chrony`: chronyd's own view; `ntp_sources`: which
+  servers to ask; `sntp`: the SNTP client; `offsets`: judging the clock from the servers' offsets.
+"""
 
 from __future__ import annotations
 

@@ -13,10 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.fake_node import FakeNode
-from support.kube_double import ApiDouble
-from support.system import REPO, require_fixtures, require_root
-from test_admission_policy import (
+from support.admission import (
     AGENT,
     NODE,
     NODE_NAME_KEY,
@@ -26,6 +23,9 @@ from test_admission_policy import (
     npu_node,
     policy_documents,
 )
+from support.fake_node import FakeNode
+from support.kube_double import ApiDouble
+from support.system import REPO, require_fixtures, require_root
 
 from agent.config import KubernetesConfig
 from agent.kube.devices.match import RULE_LABELS

@@ -146,6 +146,15 @@ def test_tools_in_the_image_answer_their_version(image: str) -> None:
     assert in_image(image, "nsenter", "--version").stdout.startswith("nsenter from util-linux ")
 
 
+@pytest.mark.parametrize("command", ["fleet", "cleanup", "diagnose"])
+def test_the_operators_commands_run_in_the_image(image: str, command: str) -> None:
+    """README and docs/cli.md: `kubectl -n node-health exec ds/node-health -- node-health fleet` needs no source
+    checkout: the image's `node-health` has the operator's commands."""
+    result = in_image(image, "node-health", command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: node-health {command}"), result.stdout
+
+
 def test_image_runs_debian_python_without_compilers_or_pip(image: str) -> None:
     probe = (
         "readlink -f /opt/node-health/bin/python; dpkg-query -W -f '${Package} ${Version}\\n' python3; "

@@ -141,6 +141,7 @@ def test_the_required_alerts_exist() -> None:
     assert "MountHung" in exprs["NodeHealthMountHung"]
     assert "DnsFailed" in exprs["NodeHealthDnsFailing"]
     assert "GpuEccUncorrectable" in exprs["NodeHealthGpuEccUncorrectable"]
+    assert exprs["NodeHealthConfigUnknownKeys"] == "nodehealth_config_unknown_keys > 0"
     not_ready = next(r for r in alerts_of(rules_groups()) if r["alert"] == "NodeHealthNodeNotReady")
     assert not_ready["for"] == "10m"
 

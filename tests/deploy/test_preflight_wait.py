@@ -101,6 +101,24 @@ def test_warming_up_is_waited_out(shell: str, probes: int) -> None:
 
 @pytest.mark.system
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_long_reason_wrapped_onto_more_lines_is_still_waited_out(shell: str) -> None:
+    """A reason over 200 characters comes wrapped, its next lines indented: the script judges the reason by its
+    first line and does not mistake the others for reasons of their own."""
+    with agent(2) as (state, url):
+        long = " ".join(["the agent has not judged this check yet"] * 12)
+        state.record("p0", [Finding("check0.x", "", Status.UNKNOWN, "WarmingUp", long, "wait for its first run")])
+        process, since = started({"NODE_HEALTH_URL": url, "NODE_HEALTH_WAIT_SECONDS": WAIT}, shell)
+        time.sleep(2.5)
+        assert process.poll() is None, "exited while the agent was warming up"
+        for n in range(2):
+            record(state, n)
+        outcome = finished(process, since)
+    assert outcome.code == 0, outcome
+    assert "warming up" in outcome.lines[0] and outcome.lines[-1] == f"ready on {NODE}"
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("shell", SHELLS)
 @pytest.mark.parametrize("probes", [3, TEXT_REASONS_MAX + 5], ids=["listed", "more-than-listed"])
 def test_a_real_problem_during_warm_up_is_not_waited_out(shell: str, probes: int) -> None:
     with agent(probes) as (state, url):

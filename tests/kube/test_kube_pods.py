@@ -1,16 +1,21 @@
 """agent/kube/pods.py on the API double: the node's pods listed metadata-only from the watch cache, only this node's,
 only the annotations the device checks read; lists on request, never more often than the minimum interval; a
-failed list keeps the last one."""
+failed list keeps the last one. PodFeed, the seam the daemon hands the probes and /ready?pod=."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 from support.kube_double import ApiDouble
 
+from agent.config import parse_config
+from agent.daemon import Agent
 from agent.kube.client import KubeApi
-from agent.kube.pods import NodePods
+from agent.kube.pods import NodePods, PodFeed
+from agent.scheduler import probe_context
 from probes.runtime.podresources.ledger import ASCEND_REAL_ANNOTATION
 
 pytestmark = pytest.mark.system  # a server on 127.0.0.1
@@ -77,3 +82,32 @@ def test_a_failed_list_keeps_the_last_one(double: ApiDouble) -> None:
     index = pods.current()
     assert index is not None and [p.name for p in index.pods] == ["p"] and pods.last_error
     assert pods.status()["pods"] == 1 and "last_error" in pods.status()
+
+
+def test_the_feed_is_the_one_seam_to_the_probes_and_ready_pod(double: ApiDouble) -> None:
+    """The daemon makes one PodFeed for the probes' context and /ready?pod=; unconnected it has no list (what the
+    checks read as Kubernetes off), connected it forwards the Kubernetes side's list and requests."""
+    config = parse_config({"http": {"address": "127.0.0.1", "port": 0}}, {})
+    agent = Agent(None, config, no_kube=True, probe_classes={})
+    feed = agent.pods
+    assert isinstance(feed, PodFeed) and agent.scheduler.pods is feed
+    assert agent.pod_ledger._pods() is feed  # the seam itself is what is tested
+    assert probe_context(agent.host, config, 1.0, agent.scheduler.pods).kubelet.pods is feed
+    assert not feed.connected and feed.current() is None
+    feed.want_fresh()  # unconnected: asks nothing of anyone
+    double.add_node("a")
+    double.add_pod("team-a", "vc-0", "a", uid="1111")
+    source = NodePods(lambda: KubeApi(double.client, 5), "a")
+    feed.connect(source)
+    assert feed.connected and feed.current() is None
+    assert source.refresh()
+    index = feed.current()
+    assert index is source.current() and index is not None and index.by_uid("1111") is not None
+    feed.want_fresh()
+    assert source._wanted.is_set()  # the request reached the source's thread
+
+
+def test_the_daemon_loads_no_kubernetes_client_for_the_feed() -> None:
+    code = "import sys, agent.daemon; print(sorted(m for m in sys.modules if m.split('.')[0] == 'kubernetes'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"

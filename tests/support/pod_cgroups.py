@@ -67,7 +67,7 @@ class PodCgroup:
             require(False, f"moving a process into a cgroup: {exc}")
 
 
-def _hierarchy() -> Path | None:
+def cgroup_hierarchy() -> Path | None:
     """A writable cgroup hierarchy that classify_cgroup reads: v1 memory, else a v2 root."""
     for root in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
         if (root / "cgroup.procs").exists() and os.access(root, os.W_OK):
@@ -82,7 +82,7 @@ def pod_cgroups(count: int) -> Iterator[list[PodCgroup]]:
     """`count` pod container cgroups (each its own pod UID), removed when the block ends (after the test has
     killed what it put in them)."""
     require_root()
-    root = _hierarchy()
+    root = cgroup_hierarchy()
     require(root is not None, "a writable cgroup hierarchy (memory v1 or v2)")
     assert root is not None
     top = root / f"node-health-test-{uuid.uuid4().hex[:8]}"

@@ -29,7 +29,7 @@ from agent.kube.node.budget import TaintBudget
 from agent.kube.node.policy import isolated_devices_key, ready_label_key, taint_key
 from agent.kube.slots import Fleet, budget_limit, slots_count
 from probes.base import CATEGORIES
-from probes.storage.common import safe_text
+from probes.text import escape
 
 EXIT_DONE, EXIT_API_ERROR = 0, 1
 SHORT = {"dra": "dra", "public_fault": "fault", "node": "node", "prefer": "prefer", "none": "none"}
@@ -200,7 +200,7 @@ def fleet_view(api: KubeApi, config: Config, selector: str, now: float) -> Fleet
 
 
 def _cell(text: str) -> str:
-    return safe_text(text) or "-"
+    return escape(text) or "-"
 
 
 def format_fleet(view: FleetView) -> str:

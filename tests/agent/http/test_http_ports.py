@@ -31,6 +31,7 @@ from agent.state import HealthSettings, HealthState, ProbeSpec
 from probes.base import Finding, Status
 
 PATHS = ("/ready", "/healthz", "/started", "/metrics", "/status")
+ALL_ON_ONE_PORT = ["/ready", "/preflight.sh", "/healthz", "/started", "/metrics", "/status"]
 
 
 @contextmanager
@@ -89,12 +90,12 @@ def test_separated_the_main_port_keeps_the_preflight_and_the_metrics_port_the_re
         }
         assert (
             json.loads(get(server.port, "/status")[1])["error"]
-            == "no such endpoint /status on this port (try /ready, /healthz, /started)"
+            == "no such endpoint /status on this port (try /ready, /preflight.sh, /healthz, /started)"
         )
         document = json.loads(get(server.metrics_port, "/status")[1])
         assert document["findings"][0]["message"] == "40% used"
         assert document["http"]["ports"] == [
-            {"port": server.port, "routes": ["/ready", "/healthz", "/started"]},
+            {"port": server.port, "routes": ["/ready", "/preflight.sh", "/healthz", "/started"]},
             {"port": server.metrics_port, "routes": ["/metrics", "/status", "/healthz", "/started"]},
         ]
         assert b"nodehealth_ready 1.0" in get(server.metrics_port, "/metrics")[1]
@@ -108,7 +109,7 @@ def test_by_default_metrics_and_status_stay_on_the_main_port_too() -> None:
     with serving(status_on_main=True, metrics_port=None) as server:
         assert server.metrics_port is None
         assert json.loads(get(server.port, "/status")[1])["http"]["ports"] == [
-            {"port": server.port, "routes": list(PATHS)}
+            {"port": server.port, "routes": ALL_ON_ONE_PORT}
         ]
 
 
@@ -148,7 +149,7 @@ def test_a_metrics_port_in_use_leaves_the_preflight_port_serving() -> None:
             assert get(server.port, "/ready")[0] == 200
             document = json.loads(get(server.port, "/status")[1])
             assert f"127.0.0.1:{port}" in document["http"]["metrics_port_error"]
-            assert document["http"]["ports"] == [{"port": server.port, "routes": list(PATHS)}]
+            assert document["http"]["ports"] == [{"port": server.port, "routes": ALL_ON_ONE_PORT}]
 
 
 def test_the_config_keys_and_the_environment_switch() -> None:

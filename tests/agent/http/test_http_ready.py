@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from agent.http.answers import CONTINUATION, TEXT_REASON_LINES
 from agent.http.routes import TEXT_LINE_MAX, TEXT_REASONS_MAX, HttpServer
 from agent.metrics import MetricsRenderer
 from agent.ready import MAX_DEVICES, MAX_SELECTORS
@@ -372,6 +373,17 @@ def test_text_400_when_text_was_asked(served: Served) -> None:
     assert body.startswith("bad request: unknown parameter 'bogus'")
 
 
+def reasons_of(body: str) -> list[list[str]]:
+    """The text answer's reasons, each its lines (a continuation line starts with two spaces)."""
+    reasons: list[list[str]] = []
+    for line in body.splitlines()[1:]:
+        if line.startswith(CONTINUATION):
+            reasons[-1].append(line)
+        else:
+            reasons.append([line])
+    return reasons
+
+
 def test_text_lines_are_bounded_and_many_reasons_are_counted(served: Served) -> None:
     long_message = "x" * 500 + "\nTraceback (most recent call last):\r\n\x1b[31m  more"
     long_hint = "do " + "y" * 400
@@ -382,21 +394,44 @@ def test_text_lines_are_bounded_and_many_reasons_are_counted(served: Served) -> 
     served.state.record("storage", findings)
     status, _, body = served.get("/ready?format=text&checks=storage")
     assert status == 503
-    lines = body.splitlines()
-    assert lines[0] == f"not ready on node-a: {TEXT_REASONS_MAX + 7} reasons"
-    assert len(lines) == 1 + TEXT_REASONS_MAX + 1
-    assert lines[-1].startswith("... and 7 more")
-    for line in lines[1:-1]:
-        assert len(line) <= TEXT_LINE_MAX, line
-        assert re.match(r"fail storage\.space /data/\d+/deep.*\.\.\. DiskFull: x+\.\.\. -- fix: do y+\.\.\.$", line)
-        assert not re.search(r"[\x00-\x1f\x7f]", line)
-    # A short message leaves its room to the fix, and the other way round.
+    assert body.splitlines()[0] == f"not ready on node-a: {TEXT_REASONS_MAX + 7} reasons"
+    reasons = reasons_of(body)
+    assert len(reasons) == TEXT_REASONS_MAX + 1
+    assert reasons[-1] == ["... and 7 more (the JSON answer and /status list them all)"]
+    for lines in reasons[:-1]:
+        assert 1 < len(lines) <= TEXT_REASON_LINES
+        assert all(len(line) <= TEXT_LINE_MAX and not re.search(r"[\x00-\x1f\x7f]", line) for line in lines)
+        joined = "".join(line.removeprefix(CONTINUATION) for line in lines)
+        assert re.match(r"fail storage\.space /data/\d+/deep.*\.\.\. DiskFull: x+.*\.\.\. -- fix: do y+\.\.\.$", joined)
+    # A short message leaves its room to the fix, and the other way round: each shown whole.
     served.state.record("storage", [Finding("storage.space", "/d", Status.FAIL, "DiskFull", "full", long_hint)])
-    line = served.get("/ready?format=text&checks=storage")[2].splitlines()[1]
-    assert line.startswith("fail storage.space /d DiskFull: full -- fix: do yyy") and len(line) == TEXT_LINE_MAX
+    lines = reasons_of(served.get("/ready?format=text&checks=storage")[2])[0]
+    assert lines[0].startswith("fail storage.space /d DiskFull: full -- fix: do yyy") and len(lines[0]) == TEXT_LINE_MAX
+    assert "".join(line.removeprefix(CONTINUATION) for line in lines).endswith("do " + "y" * 400)
     served.state.record("storage", [Finding("storage.space", "/d", Status.FAIL, "DiskFull", long_message, "rm it")])
-    line = served.get("/ready?format=text&checks=storage")[2].splitlines()[1]
-    assert line.endswith("... -- fix: rm it") and len(line) == TEXT_LINE_MAX
+    lines = reasons_of(served.get("/ready?format=text&checks=storage")[2])[0]
+    assert " ".join(line.strip() for line in lines).endswith("... -- fix: rm it")
+    assert all(len(line) <= TEXT_LINE_MAX for line in lines)
+
+
+def test_text_reasons_wrap_between_words_never_inside_one(served: Served) -> None:
+    """A reason longer than a line goes on in indented lines, broken where the words break: every word whole."""
+    words = [f"word{i:03d}" for i in range(60)]
+    served.state.record(
+        "storage", [Finding("storage.space", "/d", Status.FAIL, "DiskFull", " ".join(words), "free some space")]
+    )
+    lines = reasons_of(served.get("/ready?format=text&checks=storage")[2])[0]
+    assert len(lines) == 3 and lines[0].startswith("fail storage.space /d DiskFull: word000 ")
+    assert all(len(line) <= TEXT_LINE_MAX for line in lines)
+    assert all(line.startswith(CONTINUATION) and not line.startswith(CONTINUATION + " ") for line in lines[1:])
+    assert " ".join(line.strip() for line in lines) == "fail storage.space /d DiskFull: " + " ".join(words) + (
+        " -- fix: free some space"
+    )
+    # Short reasons stay one line, as before.
+    served.state.record("storage", [Finding("storage.space", "/d", Status.FAIL, "DiskFull", "98% used", "clean")])
+    assert reasons_of(served.get("/ready?format=text&checks=storage")[2]) == [
+        ["fail storage.space /d DiskFull: 98% used -- fix: clean"]
+    ]
 
 
 def test_text_long_poll_answers_in_text(served: Served) -> None:
@@ -472,7 +507,7 @@ def test_status_is_serialized_once_per_snapshot_and_shows_the_http_figures() -> 
         figures = body["http"]
         assert set(figures) == {"connections", "peers", "refused_total", "long_polls", "tasks", "unsent_bytes", "ports"}
         assert figures["ports"] == [
-            {"port": server.port, "routes": ["/ready", "/healthz", "/started", "/metrics", "/status"]}
+            {"port": server.port, "routes": ["/ready", "/preflight.sh", "/healthz", "/started", "/metrics", "/status"]}
         ]
         assert figures["connections"] >= 1 and figures["refused_total"] == 0
         metrics = running.get("/metrics")[2]
