@@ -16,7 +16,7 @@ from agent.configcompat import ConfigNotes
 from agent.configfile import ConfigFileError, read_bounded
 from agent.http.pod import PodLedger
 from agent.http.routes import HttpServer
-from agent.logs import configure_logging
+from agent.logs import HealthLog, configure_logging
 from agent.metrics import MetricsRenderer
 from agent.scheduler import Scheduler, build_state, instantiate
 from agent.version import __version__
@@ -103,6 +103,7 @@ class Agent:
         self.probes = instantiate(self.probe_classes)
         self.host = Host.from_config(config.section(HostConfig))
         self.state = build_state(config)
+        self.state.add_sink(HealthLog())  # the health history in the log: when and why (docs/observability.md)
         self.scheduler = Scheduler(self.probes, config, self.host, self.state)
         self.reloads: dict[str, int] = {"ok": 0, "error": 0}
         self.last_reload_error = ""
