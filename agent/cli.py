@@ -129,8 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_selectors(text: str, probe_classes: dict[str, type[Probe]]) -> tuple[str, ...]:
+def parse_selectors(text: str, probe_classes: dict[str, type[Probe]], config: Config | None = None) -> tuple[str, ...]:
     checks = {check for cls in probe_classes.values() for check in cls.checks}
+    if config is not None:  # and the checks the config names (site checks)
+        for cls in probe_classes.values():
+            if cls.checks_from_config:
+                probe = cls()
+                probe.configure(config)
+                checks.update(probe.checks)
     selectors = tuple(part.strip() for part in text.split(","))
     try:
         validate_selectors(selectors, checks)
@@ -141,6 +147,8 @@ def parse_selectors(text: str, probe_classes: dict[str, type[Probe]]) -> tuple[s
 
 def run_check(config: Config, probe_classes: dict[str, type[Probe]], only: tuple[str, ...] | None) -> Snapshot:
     probes = instantiate(probe_classes)
+    for probe in probes.values():
+        probe.configure(config)  # the checks of a probe that takes them from the config (site checks)
     if only is not None:
         probes = {n: p for n, p in probes.items() if any(matches_any(c, only) for c in p.checks)}
     state = build_state(config)
@@ -157,7 +165,7 @@ def verdict_of(snapshot: Snapshot, only: tuple[str, ...] | None) -> Verdict:
 def cmd_check(args: argparse.Namespace) -> int:
     probe_classes = all_probes()
     config = load_config(args.config, probe_classes)
-    only = parse_selectors(args.only, probe_classes) if args.only else None
+    only = parse_selectors(args.only, probe_classes, config) if args.only else None
     snapshot = run_check(config, probe_classes, only)
     verdict = verdict_of(snapshot, only)
     if args.json:
