@@ -197,7 +197,8 @@ def cmd_probes(args: argparse.Namespace) -> int:
         return 0
     for name, cls in all_probes().items():
         print(f"{name}")
-        print(f"  checks:   {', '.join(cls.checks)}")
+        checks = "one per entry of the config's list (docs/probes/site.md)" if cls.checks_from_config else ""
+        print(f"  checks:   {', '.join(cls.checks) or checks}")
         print(f"  interval: {cls.default_interval:g}s  timeout: {cls.default_timeout:g}s")
         print(f"  needs:    {cls.needs}")
     return 0

@@ -33,6 +33,10 @@ from probes.text import clip
 
 MESSAGE_CHARS = 300  # of the output's first line
 PREFIX = "site."
+# A check is due this early before its interval is over, so that a tick a little early (jitter) does not put it
+# off by a whole tick; small, so that no schedule (probes.site.interval_seconds) runs it more often than the
+# minimum interval allows.
+DUE_SLACK_SECONDS = 1.0
 
 
 def check_name(site: SiteCheck) -> str:
@@ -113,7 +117,7 @@ class SiteProbe(Probe):
             for site in sites
             if site.name not in last
             or last[site.name][1] != site  # changed with the config: run it again now
-            or now - last[site.name][0] >= site.interval_seconds - 0.5 * MIN_INTERVAL_SECONDS
+            or now - last[site.name][0] >= site.interval_seconds - DUE_SLACK_SECONDS
         ]
         jobs = [self._job(ctx, site) for site in due]
         results = run_parallel(jobs, seconds_until(wait_end(ctx.deadline)))
