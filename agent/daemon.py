@@ -138,7 +138,8 @@ class Agent:
     # --- views for HTTP --------------------------------------------------------------------------
 
     def known_checks(self) -> set[str]:
-        return {check for cls in self.probe_classes.values() for check in cls.checks}
+        # The probes' instances: a probe whose checks come from the config (site checks) holds the config's.
+        return {check for probe in self.probes.values() for check in probe.checks}
 
     def healthz(self) -> tuple[bool, dict[str, Any]]:
         problems = []

@@ -4,15 +4,20 @@ under; the bad configs (exit 2 naming the key); and the two examples of docs/pro
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from support.cli import check_json, node_env
+from support.processes import stop
 
 from agent.config import parse_config
 from agent.scheduler import probe_context
@@ -209,3 +214,74 @@ def test_the_hccn_rule_example(tmp_path: Path) -> None:
         f"no netdetect_N in {tmp_path}/nodetect.conf for NPU 3",
     )
     assert found["site.noaddress"].status.value == "fail" and found["site.noaddress"].message.endswith("NPU 5")
+
+
+# --- in a running agent -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_in_a_real_agent_a_hung_site_check_delays_neither_ready_nor_another_check(tmp_path: Path) -> None:
+    hang = script(tmp_path, "hang", "exec sleep 600")
+    flag = tmp_path / "flag"
+    toggled = script(tmp_path, "toggle", f'if [ -e {flag} ]; then echo "flag set"; exit 2; fi; echo clear')
+    config = {
+        "http": {"address": "127.0.0.1", "port": 0, "metrics_port": 0},
+        "logging": {"format": "json"},
+        "health": {"fail_threshold": 1, "recovery_threshold": 1},
+        "site_checks": [
+            {"name": "hang", "command": [hang], "timeout_seconds": 3, "interval_seconds": 10},
+            {
+                "name": "toggle",
+                "command": [toggled],
+                "category": "network",
+                "interval_seconds": 10,
+                "timeout_seconds": 5,
+            },
+        ],
+        "probes": {name: {"enabled": name == "site"} for name in all_probes()},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "agent.log"
+    with log.open("w") as sink:
+        agent = subprocess.Popen(
+            [*CLI, "run", "--no-kube", "--config", str(path)], stdout=sink, stderr=subprocess.STDOUT, env=node_env()
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := re.search(r"serving on 127\.0\.0\.1:(\d+) /ready", log.read_text())):
+            assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        port = int(match.group(1))
+        answers = []
+        while True:  # /ready answers at once throughout, while the hang runs to its deadline
+            started = time.monotonic()
+            status, body = get(port, "/ready?checks=site.toggle")
+            answers.append(time.monotonic() - started)
+            if status == 200:
+                break
+            assert time.monotonic() < deadline, body
+            time.sleep(0.1)
+        assert max(answers) < 1.0, answers
+        checks = wait_status(port, lambda c: c.get("site.hang", {}).get("reason") == "SiteCheckTimeout", deadline)
+        assert checks["site.toggle"]["status"] == "ok" and checks["site.toggle"]["category"] == "network"
+        assert checks["site.hang"]["status"] == "unknown"
+    finally:
+        stop(agent)
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def wait_status(port: int, done: Any, deadline: float) -> dict[str, dict[str, Any]]:
+    while True:
+        checks = {f["check"]: f for f in json.loads(get(port, "/status")[1])["findings"]}
+        if done(checks):
+            return checks
+        assert time.monotonic() < deadline, checks
+        time.sleep(0.2)
