@@ -4,7 +4,8 @@ Width: `$COLUMNS` when set, else the terminal's width when stdout is one, else 1
 under 80. Columns STATUS, CHECK, SUBJECT and REASON are aligned; a subject wider than its column is shortened
 with an ellipsis in the middle (a path keeps its head and its last component; `--json` has it whole); the
 message follows in its own column, wrapped between words, or on indented lines below when the column would be
-too narrow. Colour (FAIL red, UNKNOWN magenta, WARN yellow) only when stdout is a terminal and `$NO_COLOR` is not
+too narrow (or a word in it wider than the column: a path, an escaped name is never split where it need not be).
+Colour (FAIL red, UNKNOWN magenta, WARN yellow) only when stdout is a terminal and `$NO_COLOR` is not
 set; colour codes never count towards the width. Everything shown was escaped where the finding was made.
 """
 
@@ -95,6 +96,10 @@ def _wrap(text: str, width: int, first: str, rest: str) -> list[str]:
     return lines or [first.rstrip()]
 
 
+def _longest_word(text: str) -> int:
+    return max((len(word) for word in text.split()), default=0)
+
+
 @dataclass(frozen=True)
 class _Columns:
     mark: int
@@ -129,7 +134,9 @@ def _row(finding: Finding, cols: _Columns, style: Style) -> list[str]:
         lines = _wrap(plain_head.rstrip(), width, "", INDENT + INDENT)
         lines[0] = _paint(mark, finding.status, style) + lines[0][len(mark) :]
         lines += _wrap(finding.message, width, INDENT, INDENT) if finding.message else []
-    elif width - len(plain_head) >= MESSAGE_COLUMN_MIN or len(plain_head) + len(finding.message) <= width:
+    elif len(plain_head) + len(finding.message) <= width or (
+        width - len(plain_head) >= max(MESSAGE_COLUMN_MIN, _longest_word(finding.message))
+    ):
         body = _wrap(finding.message, width - len(plain_head), "", "") if finding.message else [""]
         lines = [(head + body[0]).rstrip(), *(" " * len(plain_head) + line for line in body[1:])]
     else:

@@ -176,7 +176,13 @@ def test_on_a_terminal_the_table_fits_its_width_aligned_and_coloured(tmp_path: P
     assert any(f["subject"] == LONG for f in document["findings"])
 
     rc, bare = on_pty(args, columns, child_env(NO_COLOR="1"))
-    assert rc == 1 and "\x1b" not in bare and bare.splitlines() == plain
+    assert rc == 1 and "\x1b" not in bare
+    numbers = re.compile(r"\d+(\.\d+)?")  # the disk's use may move between the two runs
+
+    def shape(lines: list[str]) -> list[str]:
+        return [numbers.sub("N", line) for line in lines]
+
+    assert shape(bare.splitlines()) == shape(plain)
 
 
 @pytest.mark.parametrize("columns", [80, 200])
