@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
-import textwrap
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from agent.checktable import format_table, terminal_style
 from agent.config import Config, ConfigError, default_config_yaml, load_config, load_config_tolerant
 from agent.logs import configure_logging
 from agent.ready import BadQuery, ReadyQuery, judge, matches_any, validate_selectors
@@ -17,11 +18,19 @@ from agent.scheduler import Scheduler, build_state, instantiate
 from agent.snapshot import Snapshot, Verdict
 from agent.version import __version__
 from probes import all_probes
-from probes.base import Finding, Probe, Status
+from probes.base import Probe
 from probes.host.config import HostConfig
 from probes.runtime.host import Host
+from probes.text import clip, escape
 
 EXIT_READY, EXIT_NOT_READY, EXIT_USAGE = 0, 1, 2
+CHECK_EXIT_CODES = f"""exit status:
+  {EXIT_READY}  ready: nothing blocks jobs (of the checks --only selects)
+  {EXIT_NOT_READY}  not ready: a fail, a required unknown, or a check without a result
+  {EXIT_USAGE}  usage or config error (the message names the option or the config key)"""
+EXIT_CODES = f"""exit status: {EXIT_USAGE} for a usage or config error in every command; `check`: {EXIT_READY} ready, \
+{EXIT_NOT_READY} not ready
+(node-health COMMAND --help for a command's own)"""
 log = logging.getLogger("node-health")
 
 
@@ -36,22 +45,46 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="node-health", description="Node health-check agent for accelerator nodes.")
-    parser.add_argument("--version", action="version", version=f"node-health {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    check = sub.add_parser("check", help="run every probe once and print the result")
+def _add_check(sub: Any) -> None:
+    check = sub.add_parser(
+        "check",
+        help="run every probe once and print the result",
+        description="Run every enabled probe once and print the table (or --json) and the verdict.",
+        epilog=CHECK_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     check.add_argument("--config", metavar="FILE", help="YAML config file (default: built-in defaults)")
     check.add_argument("--json", action="store_true", help="print the JSON document instead of a table")
     check.add_argument("--only", metavar="CHECKS", help="comma-separated checks or prefixes, e.g. npu,storage.locks")
+    check.add_argument(
+        "--problems", action="store_true", help="show only fail, unknown and warn rows (and the verdict)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="node-health",
+        description="Node health-check agent for accelerator nodes.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"node-health {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    _add_check(sub)
 
     run = sub.add_parser("run", help="run the daemon: schedule probes, serve HTTP, reconcile the Node")
     run.add_argument("--config", metavar="FILE", help="YAML config file, reloaded when it changes or on SIGHUP")
     run.add_argument("--no-kube", action="store_true", help="do not talk to Kubernetes (metrics and /ready only)")
 
     probes = sub.add_parser("probes", help="list probes, their checks, intervals and what each needs on the host")
-    probes.add_argument("--reasons", action="store_true", help="list every reason code: status, meaning and fix")
+    probes.add_argument(
+        "--reasons",
+        nargs="?",
+        const="",
+        metavar="CODE",
+        help="list every reason code (or only CODE): status, meaning and fix; an unknown CODE exits 2",
+    )
 
     config = sub.add_parser("config", help="configuration helpers")
     config.add_argument("--defaults", action="store_true", help="print the full default config as YAML")
@@ -96,8 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_selectors(text: str, probe_classes: dict[str, type[Probe]]) -> tuple[str, ...]:
+def parse_selectors(text: str, probe_classes: dict[str, type[Probe]], config: Config | None = None) -> tuple[str, ...]:
     checks = {check for cls in probe_classes.values() for check in cls.checks}
+    if config is not None:  # and the checks the config names (site checks)
+        for cls in probe_classes.values():
+            if cls.checks_from_config:
+                probe = cls()
+                probe.configure(config)
+                checks.update(probe.checks)
     selectors = tuple(part.strip() for part in text.split(","))
     try:
         validate_selectors(selectors, checks)
@@ -108,6 +147,8 @@ def parse_selectors(text: str, probe_classes: dict[str, type[Probe]]) -> tuple[s
 
 def run_check(config: Config, probe_classes: dict[str, type[Probe]], only: tuple[str, ...] | None) -> Snapshot:
     probes = instantiate(probe_classes)
+    for probe in probes.values():
+        probe.configure(config)  # the checks of a probe that takes them from the config (site checks)
     if only is not None:
         probes = {n: p for n, p in probes.items() if any(matches_any(c, only) for c in p.checks)}
     state = build_state(config)
@@ -121,79 +162,10 @@ def verdict_of(snapshot: Snapshot, only: tuple[str, ...] | None) -> Verdict:
     return judge(snapshot, ReadyQuery(checks=only)) if only else snapshot.verdict
 
 
-STATUS_MARK = {
-    Status.OK: "ok",
-    Status.WARN: "WARN",
-    Status.FAIL: "FAIL",
-    Status.UNKNOWN: "UNKNOWN",
-    Status.SKIP: "skip",
-}
-# Rows worst first: what blocks a job, what cannot be vouched for, what needs a look, then the rest.
-SEVERITY = {Status.FAIL: 0, Status.UNKNOWN: 1, Status.WARN: 2, Status.OK: 3, Status.SKIP: 4}
-TABLE_WIDTH = 120  # a terminal, a CI log, a ticket
-SUBJECT_COLUMN_MAX = 24  # a longer subject (a deep path) widens only its own row
-INDENT = "    "
-
-
-def _wrapped(text: str, first: str, rest: str) -> list[str]:
-    """`text` in lines of at most TABLE_WIDTH, broken between words (a word longer than a line is split)."""
-    return textwrap.wrap(text, TABLE_WIDTH, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False) or [
-        first.rstrip()
-    ]
-
-
-def _table_row(finding: Finding, widths: tuple[int, int, int]) -> list[str]:
-    """The head line (status, check, subject, reason, and the message when it fits), the message on its own
-    lines when it does not, and the fix for anything but ok and skip."""
-    mark_width, check_width, subject_width = widths
-    subject = finding.subject or "-"
-    head = f"{STATUS_MARK[finding.status]:<{mark_width}}  {finding.check:<{check_width}}  "
-    head += f"{subject:<{subject_width}}  {finding.reason}"
-    lines: list[str]
-    if len(head) + 2 + len(finding.message) <= TABLE_WIDTH and "\n" not in finding.message:
-        lines = [f"{head}  {finding.message}".rstrip()]
-    else:
-        lines = _wrapped(head, "", INDENT + INDENT)
-        if finding.message:
-            lines += _wrapped(finding.message, INDENT, INDENT)
-    if finding.hint and finding.status not in (Status.OK, Status.SKIP):
-        lines += _wrapped(finding.hint, f"{INDENT}fix: ", INDENT + " " * len("fix: "))
-    return lines
-
-
-def _verdict_line(node: str, ready: bool, blocking: int, counts: dict[Status, int]) -> str:
-    tally = ", ".join(f"{counts[status]} {STATUS_MARK[status].lower()}" for status in SEVERITY if counts[status])
-    if ready:
-        verdict = f"READY ({tally or 'no checks'})"
-    else:
-        reasons = "1 reason blocks" if blocking == 1 else f"{blocking} reasons block"
-        verdict = f"NOT READY: {reasons} jobs ({tally})"
-    room = max(8, TABLE_WIDTH - len("node : ") - len(verdict))
-    return f"node {node if len(node) <= room else node[: room - 3] + '...'}: {verdict}"
-
-
-def format_table(snapshot: Snapshot, only: tuple[str, ...] | None) -> str:
-    verdict = verdict_of(snapshot, only)
-    findings = [s.finding for s in snapshot.checks if not only or matches_any(s.finding.check, only)]
-    findings.sort(key=lambda f: SEVERITY[f.status])  # stable: the snapshot's order within a status
-    widths = (
-        max(len(mark) for mark in ("STATUS", *STATUS_MARK.values())),
-        max([len("CHECK"), *(len(f.check) for f in findings)]),
-        max([len("SUBJECT"), *(min(len(f.subject or "-"), SUBJECT_COLUMN_MAX) for f in findings)]),
-    )
-    header = f"{'STATUS':<{widths[0]}}  {'CHECK':<{widths[1]}}  {'SUBJECT':<{widths[2]}}  REASON  MESSAGE"
-    lines = [header]
-    for finding in findings:
-        lines.extend(_table_row(finding, widths))
-    counts = {status: sum(1 for f in findings if f.status == status) for status in SEVERITY}
-    lines += ["", _verdict_line(snapshot.node, verdict.ready, len(verdict.reasons), counts)]
-    return "\n".join(lines)
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     probe_classes = all_probes()
     config = load_config(args.config, probe_classes)
-    only = parse_selectors(args.only, probe_classes) if args.only else None
+    only = parse_selectors(args.only, probe_classes, config) if args.only else None
     snapshot = run_check(config, probe_classes, only)
     verdict = verdict_of(snapshot, only)
     if args.json:
@@ -204,22 +176,43 @@ def cmd_check(args: argparse.Namespace) -> int:
             document["reasons"] = [r for r in document["reasons"] if matches_any(r["check"], only)]
         print(json.dumps(document, indent=2))
     else:
-        print(format_table(snapshot, only))
+        findings = [s.finding for s in snapshot.checks if not only or matches_any(s.finding.check, only)]
+        style = terminal_style(sys.stdout)
+        print(format_table(snapshot.node, findings, verdict.ready, len(verdict.reasons), style, args.problems))
     return EXIT_READY if verdict.ready else EXIT_NOT_READY
 
 
 def cmd_probes(args: argparse.Namespace) -> int:
-    if args.reasons:
+    if args.reasons is not None:
         from agent.reference import reason_uses, reasons_text
 
-        sys.stdout.write(reasons_text(reason_uses()))
+        uses = reason_uses()
+        if args.reasons:
+            uses = [use for use in uses if use.reason.code == args.reasons]
+            if not uses:
+                raise UsageError(
+                    f"probes --reasons: no reason code {clip(escape(args.reasons), 60)!r}{_did_you_mean(args.reasons)}"
+                )
+        sys.stdout.write(reasons_text(uses))
         return 0
     for name, cls in all_probes().items():
         print(f"{name}")
-        print(f"  checks:   {', '.join(cls.checks)}")
+        checks = "one per entry of the config's list (docs/probes/site.md)" if cls.checks_from_config else ""
+        print(f"  checks:   {', '.join(cls.checks) or checks}")
         print(f"  interval: {cls.default_interval:g}s  timeout: {cls.default_timeout:g}s")
         print(f"  needs:    {cls.needs}")
     return 0
+
+
+def _did_you_mean(code: str) -> str:
+    from agent.reference import reason_uses
+
+    codes = sorted({use.reason.code for use in reason_uses()})
+    by_case = {known.lower(): known for known in codes}
+    close = difflib.get_close_matches(code.lower(), list(by_case), n=3, cutoff=0.6)
+    if not close:
+        return " (node-health probes --reasons lists them all)"
+    return "; did you mean " + " or ".join(by_case[c] for c in close) + "?"
 
 
 def cmd_config(args: argparse.Namespace) -> int:

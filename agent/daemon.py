@@ -17,7 +17,7 @@ from agent.configfile import ConfigFileError, read_bounded
 from agent.http.pod import PodLedger
 from agent.http.routes import HttpServer
 from agent.kube.pods import PodFeed
-from agent.logs import configure_logging
+from agent.logs import HealthLog, configure_logging
 from agent.metrics import MetricsRenderer
 from agent.scheduler import Scheduler, build_state, instantiate
 from agent.version import __version__
@@ -104,6 +104,7 @@ class Agent:
         self.probes = instantiate(self.probe_classes)
         self.host = Host.from_config(config.section(HostConfig))
         self.state = build_state(config)
+        self.state.add_sink(HealthLog())  # the health history in the log: when and why (docs/observability.md)
         # The one seam by which the node's pods reach the probes and /ready?pod=; the Kubernetes side connects to it.
         self.pods = PodFeed()
         self.scheduler = Scheduler(self.probes, config, self.host, self.state, pods=self.pods)
@@ -140,7 +141,8 @@ class Agent:
     # --- views for HTTP --------------------------------------------------------------------------
 
     def known_checks(self) -> set[str]:
-        return {check for cls in self.probe_classes.values() for check in cls.checks}
+        # The probes' instances: a probe whose checks come from the config (site checks) holds the config's.
+        return {check for probe in self.probes.values() for check in probe.checks}
 
     def healthz(self) -> tuple[bool, dict[str, Any]]:
         problems = []

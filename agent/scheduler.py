@@ -50,6 +50,7 @@ class _Slot:
 
 
 def probe_spec(probe: Probe, config: Config) -> ProbeSpec:
+    probe.configure(config)  # a probe whose checks come from the config (site checks) takes them now
     schedule = config.schedule(probe.name)
     return ProbeSpec(
         probe.name,

@@ -88,6 +88,40 @@ class ProbeStatus:
         }
 
 
+# The kinds of Transition: a check's effective status changed, or the node's readiness did.
+CHECK_CHANGE, READINESS_CHANGE = "check", "readiness"
+# `to` of a check change whose subject is no longer reported (a holder that went away, a mount dropped from the
+# config while it failed): the problem it stood for is over.
+GONE = "gone"
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One entry of the health history: when a check's effective status changed (with the reason it changed to)
+    or the node's readiness did (with what blocks it). Texts come from findings, escaped where they were made."""
+
+    at: float  # wall clock
+    kind: str  # CHECK_CHANGE or READINESS_CHANGE
+    check: str  # "" for readiness
+    subject: str
+    before: str  # a status ("ok", "fail", ...), or "ready" / "not ready"
+    after: str  # a status or GONE, or "ready" / "not ready"
+    reason: str  # the reason code changed to; for readiness the first reason that blocks ("" when ready)
+    message: str  # the finding's message; for readiness what blocks, in short
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": rfc3339(self.at, milliseconds=True),
+            "kind": self.kind,
+            "check": self.check,
+            "subject": self.subject,
+            "from": self.before,
+            "to": self.after,
+            "reason": self.reason,
+            "message": self.message,
+        }
+
+
 @dataclass(frozen=True)
 class Verdict:
     ready: bool
@@ -111,6 +145,8 @@ class Snapshot:
     # True for a view re-judged at reading time because results went stale since the snapshot was published
     # (a wedged scheduler publishes nothing): same version, other content.
     aged: bool = False
+    # The last changes of checks and readiness, oldest first (a bounded ring: agent/state.py HISTORY_MAX).
+    transitions: tuple[Transition, ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -141,9 +177,10 @@ class Snapshot:
             grouped[state.finding.category].append(state)
         return {category: tuple(states) for category, states in grouped.items()}
 
-    def to_document(self) -> dict[str, Any]:
-        """The JSON document of `check --json` and `GET /status` (docs/http.md)."""
-        return {
+    def to_document(self, history: bool = False) -> dict[str, Any]:
+        """The JSON document of `check --json` and `GET /status` (docs/http.md); /status adds the history
+        (`transitions`, oldest first; docs/observability.md)."""
+        document: dict[str, Any] = {
             "node": self.node,
             "ready": self.ready,
             "generated_at": rfc3339(self.generated_at, milliseconds=True),
@@ -151,6 +188,9 @@ class Snapshot:
             "findings": [state.to_dict() for state in self.checks],
             "probes": [probe.to_dict() for probe in self.probes],
         }
+        if history:
+            document["transitions"] = [change.to_dict() for change in self.transitions]
+        return document
 
 
 def reason_dict(finding: Finding) -> dict[str, Any]:

@@ -7,16 +7,42 @@ immutable Snapshot (agent/snapshot.py) that HTTP, metrics, the CLI and the Kuber
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from agent.ready import evaluate
 from agent.reasons import WARMING_UP
-from agent.snapshot import PROBLEM_STATUSES, CheckState, ProbeStatus, Snapshot
+from agent.snapshot import (
+    CHECK_CHANGE,
+    GONE,
+    PROBLEM_STATUSES,
+    READINESS_CHANGE,
+    CheckState,
+    ProbeStatus,
+    Snapshot,
+    Transition,
+)
 from probes.base import Check, Finding, Sample, Status
+
+# Transitions /status keeps (the snapshot's ring); the log has them all, rate-limited per check (agent/logs.py).
+HISTORY_MAX = 50
+# Blocking reasons a readiness transition's message names (the rest are counted).
+READINESS_REASONS_SHOWN = 3
+
+
+class TransitionSink(Protocol):
+    """Where transitions go besides the snapshot (the daemon's log: agent/logs.py HealthLog). Called from the
+    publishing thread, under the state's lock: must not block."""
+
+    def transition(self, change: Transition) -> None: ...
+
+    def tick(self) -> None:
+        """Called on each refresh (the scheduler's tick): time for what is due (a suppressed-lines summary)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +106,9 @@ class HealthState:
         self._problem_counts: dict[str, int] = {}
         self._version = 0
         self._listeners: list[Callable[[Snapshot], None]] = []
+        self._history: collections.deque[Transition] = collections.deque(maxlen=HISTORY_MAX)
+        self._sinks: list[TransitionSink] = []
+        self._unsent: list[Transition] = []
         self._snapshot = self._build()
 
     # --- configuration ---------------------------------------------------------------------------
@@ -159,6 +188,9 @@ class HealthState:
                     entry.unverified = f"{why.reason}: {why.message}"
                     entry.observed_at, entry.observed_mono = now, mono
                     continue
+                if entry.effective.status not in (Status.OK, Status.SKIP) and entry.effective.reason != WARMING_UP.code:
+                    gone = replace(entry.effective, message="no longer reported: the problem it stood for is over")
+                    self._history_add(CHECK_CHANGE, gone, entry.effective.status.value, GONE, now)
                 del self._entries[key]
             for check in book.spec.checks:
                 if not any(key[0] == check for key in self._entries):
@@ -197,6 +229,11 @@ class HealthState:
     def _apply(self, probe: str, finding: Finding, now: float, mono: float) -> None:
         entry = self._entries.get(finding.key)
         if entry is None or entry.effective.reason == WARMING_UP.code:
+            # A first result is a change only when it is a problem: a node that starts healthy says so once, in
+            # its readiness transition, not once per check.
+            if finding.status not in (Status.OK, Status.SKIP):
+                before = Status.UNKNOWN.value  # warming up, or a subject not reported before
+                self._history_add(CHECK_CHANGE, finding, before, finding.status.value, now)
             entry = _Entry(finding, probe, since=now)
             self._entries[finding.key] = entry
             self._note_transition(None, finding)
@@ -239,7 +276,18 @@ class HealthState:
         entry.effective = raw
         if raw.status != previous.status:
             entry.since = now
+            self._history_add(CHECK_CHANGE, raw, previous.status.value, raw.status.value, now)
         self._note_transition(previous, raw)
+
+    def _history_add(self, kind: str, finding: Finding, before: str, after: str, now: float) -> None:
+        change = Transition(now, kind, finding.check, finding.subject, before, after, finding.reason, finding.message)
+        self._history.append(change)
+        self._unsent.append(change)
+
+    def add_sink(self, sink: TransitionSink) -> None:
+        """Send every transition from now on to `sink` too (the daemon's health log)."""
+        with self._lock:
+            self._sinks.append(sink)
 
     def _note_transition(self, previous: Finding | None, new: Finding) -> None:
         if new.status not in PROBLEM_STATUSES:
@@ -275,6 +323,11 @@ class HealthState:
     def refresh(self) -> bool:
         """Re-judge freshness (called periodically); publish when the verdict changed. True if published."""
         with self._lock:
+            for sink in self._sinks:
+                try:
+                    sink.tick()
+                except Exception:  # noqa: BLE001 - a sink must never break the state
+                    pass
             candidate = self._build(bump=False)
             old = self._snapshot
             if (candidate.ready, candidate.stale_keys) == (old.ready, old.stale_keys):
@@ -282,8 +335,43 @@ class HealthState:
             self._publish()
             return True
 
+    def _readiness_change(self, old: Snapshot, new: Snapshot) -> None:
+        # Before the first configure there are no checks, and no checks is vacuously "ready": not a state the node
+        # was ever in.
+        if (old.ready and bool(old.checks)) == new.ready:
+            return
+        reasons = new.verdict.reasons
+        shown = "; ".join(
+            f"{f.check} {f.subject} {f.reason}: {f.message}".replace("  ", " ")
+            for f in reasons[:READINESS_REASONS_SHOWN]
+        )
+        more = f"; and {len(reasons) - READINESS_REASONS_SHOWN} more" if len(reasons) > READINESS_REASONS_SHOWN else ""
+        before, after = ("ready", "not ready") if old.ready else ("not ready", "ready")
+        change = Transition(
+            new.generated_at,
+            READINESS_CHANGE,
+            "",
+            "",
+            before,
+            after,
+            reasons[0].reason if reasons else "",
+            shown + more,
+        )
+        self._history.append(change)
+        self._unsent.append(change)
+
     def _publish(self) -> None:
-        self._snapshot = self._build()
+        old = self._snapshot
+        snapshot = self._build()
+        self._readiness_change(old, snapshot)
+        self._snapshot = replace(snapshot, transitions=tuple(self._history))
+        unsent, self._unsent = self._unsent, []
+        for change in unsent:
+            for sink in self._sinks:
+                try:
+                    sink.transition(change)
+                except Exception:  # noqa: BLE001 - a sink must never break the state
+                    pass
         for listener in list(self._listeners):
             try:
                 listener(self._snapshot)

@@ -378,6 +378,8 @@ class Probe(ABC):
     default_interval: ClassVar[float] = 30.0
     default_timeout: ClassVar[float] = 10.0
     needs: ClassVar[str] = "nothing beyond /proc"
+    # The checks are the config's (site checks): `configure` sets them on the instance, `checks` is empty here.
+    checks_from_config: ClassVar[bool] = False
     # Config lists whose emptiness makes the probe not apply (e.g. ("mounts",) in its family's section).
     skip_when_empty: ClassVar[tuple[str, ...]] = ()
 
@@ -396,6 +398,11 @@ class Probe(ABC):
 
             checked_run._checks_reasons = True  # type: ignore[attr-defined]
             cls.run = checked_run  # type: ignore[method-assign]
+
+    def configure(self, config: Any) -> None:
+        """Called with each config in force before the agent reads `checks`; a probe whose checks come from the
+        config (`checks_from_config`) sets them here."""
+        return None  # the others take their checks from the class
 
     @classmethod
     def declared_reasons(cls) -> tuple[Reason, ...]:
@@ -434,7 +441,7 @@ REGISTRY: dict[str, type[Probe]] = {}
 
 def register(cls: type[Probe]) -> type[Probe]:
     """Class decorator: add a probe to the registry (probe names are unique)."""
-    if not getattr(cls, "name", None) or not getattr(cls, "checks", None):
+    if not getattr(cls, "name", None) or not (getattr(cls, "checks", None) or cls.checks_from_config):
         raise TypeError(f"probe {cls.__name__} must declare name and checks")
     existing = REGISTRY.get(cls.name)
     if existing is not None and existing is not cls:

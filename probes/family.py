@@ -16,7 +16,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-SectionT = TypeVar("SectionT", bound=Section)
+# A family's section is a Section, or a list of them (a RootModel: `site_checks:`).
+SectionT = TypeVar("SectionT", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Family:
 
     key: str  # the config section, e.g. "storage" → `storage:` in config.yaml
     module: str  # the package or module that declares it (its probes live beneath it)
-    config: type[Section]
+    config: type[BaseModel]  # a Section, or a RootModel of a list of them
     title: str
     doc: str  # the family's docs page, relative to the repository root
     order: int = 100  # position of its section in `config --defaults`
@@ -45,7 +46,7 @@ def register_family(family: Family) -> Family:
 
 
 @functools.cache
-def _family_of_config(model: type[Section]) -> Family:
+def _family_of_config(model: type[BaseModel]) -> Family:
     for family in FAMILIES.values():
         if family.config is model:
             return family

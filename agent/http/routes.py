@@ -413,7 +413,7 @@ class HttpServer:
         cached = self._status_cache
         if cached is not None and cached[0] == key and now - cached[1] < STATUS_MAX_AGE_SECONDS:
             return Response(200, cached[2])
-        document = snapshot.to_document()
+        document = snapshot.to_document(history=True)
         try:
             document.update(self._status_extra())
         except Exception as exc:  # noqa: BLE001 - the core document still answers

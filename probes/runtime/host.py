@@ -71,8 +71,10 @@ class Host:
     def which(self, name: str) -> str | None:
         return shutil.which(name)
 
-    def run(self, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> CommandResult:
-        return run_command(argv, timeout, env=env)
+    def run(
+        self, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None, max_output_bytes: int = 4 << 20
+    ) -> CommandResult:
+        return run_command(argv, timeout, env=env, max_output_bytes=max_output_bytes)
 
     def child_call(
         self, key: str, fn: Callable[..., Any], *args: Any, timeout: float, deadline: float | None = None
