@@ -304,14 +304,19 @@ class Scheduler:
             now = time.monotonic()
             for name, slot in self._slots.items():
                 self._launch(name, slot, now)
-            slots = list(self._slots.items())
-        for name, slot in slots:
-            thread = slot.thread
-            if thread is not None:
-                thread.join(max(0.0, slot.started_mono + slot.spec.timeout - time.monotonic()))
+            # The threads as launched: a worker clears slot.thread before it records its result, so waiting on
+            # slot.thread could return (or never wait) while a finished probe's result is not recorded yet.
+            launched = [(name, slot, slot.thread) for name, slot in self._slots.items()]
+        for name, slot, thread in launched:
+            if thread is None:
+                continue
+            thread.join(max(0.0, slot.started_mono + slot.spec.timeout - time.monotonic()))
             with self._lock:
-                if slot.thread is not None:
+                running = slot.thread is thread
+                if running:
                     self._watch_running(name, slot, max(time.monotonic(), slot.started_mono + slot.spec.timeout + 1e-3))
+            if not running:
+                thread.join()  # done with its probe: only recording the result is left
 
 
 def build_state(config: Config) -> HealthState:

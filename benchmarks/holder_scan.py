@@ -6,7 +6,9 @@ Spawns PROCESSES processes holding FDS open files each (regular files, pipes, so
 hold device nodes mknod'ed in a temp dev dir (davinci0, davinci1, davinci_manager), one holds a mknod'ed copy
 of davinci0 in another directory: same major:minor, different inode, like the node runc creates in a
 container's /dev, and one has mmap'ed such a copy of davinci_manager (/dev/zero's number: /dev/full does not map)
-and closed the fd (a holder only /proc/PID/maps shows).
+and closed the fd (a holder only /proc/PID/maps shows), and one (tests/support/leaderless/leaderless.c, built with
+gcc) holds davinci1 from a thread after its main thread called pthread_exit(): its /proc/PID/fd reads empty, and
+only /proc/PID/task/TID/fd shows the device.
 `fuser` and `lsof` match by inode, so they miss both; the scan, which matches S_ISCHR + st_rdev (of the fd's
 file, and of each mapped file through /proc/PID/map_files), finds them. `fuser` reads every process's maps
 too, so the agent's scan (fds and maps, forked scanners) is the one held to the budget; the fd-only scan is
@@ -15,7 +17,7 @@ the old way, to show what never blocking on a hung mount costs.
 
     sudo python benchmarks/holder_scan.py [--processes 2000] [--fds 50] [--repeat 5]
 
-Needs root (mknod), psmisc (`fuser`) and lsof. Every spawned process is killed and reaped at the end.
+Needs root (mknod), psmisc (`fuser`), lsof and gcc. Every spawned process is killed and reaped at the end.
 Budget: at least as fast as fuser over the same device list (wall clock; CPU seconds are reported beside it,
 steadier on a shared machine). The exit status is 0 when the scan found every holder and met the budget.
 """
@@ -150,6 +152,24 @@ def map_and_close(fd: int) -> None:
     os.close(fd)
 
 
+LEADERLESS = Path(__file__).resolve().parent.parent / "tests" / "support" / "leaderless" / "leaderless.c"
+
+
+def start_leaderless(work: Path) -> subprocess.Popen[bytes]:
+    """The holder whose main thread has exited, holding work/dev/davinci1; returned once its leader is gone."""
+    binary = work / "leaderless"
+    subprocess.run(["gcc", "-O1", "-pthread", "-o", str(binary), str(LEADERLESS)], check=True, timeout=120)
+    process = subprocess.Popen(
+        [str(binary), "-", str(work / "dev" / "davinci1")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    process.stdout.readline()
+    deadline = time.monotonic() + 30
+    while os.listdir(f"/proc/{process.pid}/fd") and time.monotonic() < deadline:
+        time.sleep(0.01)  # the main thread exits just after it printed its port
+    return process
+
+
 def cpu_seconds() -> float:
     """CPU seconds (user and system) of this process and of its reaped children: fuser, lsof, and the forked
     scanners, which are reaped before their scan returns."""
@@ -242,7 +262,7 @@ def report(work: Path, info: dict[str, Any], measured: dict[str, Any], spawn_sec
     roles: dict[str, list[int]] = info["roles"]
     ours, seconds, found = measured["ours"], measured["seconds"], measured["found"]
     expected = {pid for pids in roles.values() for pid in pids}
-    copy_holder, mapped_holder = roles["copy"][0], roles["mapped"][0]
+    copy_holder, mapped_holder, leaderless_holder = roles["copy"][0], roles["mapped"][0], roles["leaderless"][0]
     copy_match = [m for m in ours.matches if m.pid == copy_holder]
     mapped_match = [m for m in ours.matches if m.pid == mapped_holder]
     base = seconds["ours: scan_open_files (fork+scan)"]
@@ -251,7 +271,8 @@ def report(work: Path, info: dict[str, Any], measured: dict[str, Any], spawn_sec
     print(f"processes on the host:  {ours.processes}, fds: {ours.fds}  (spawned in {spawn_seconds:.1f} s)")
     print(f"device list:            {', '.join(measured['device_args'])}")
     print(f"holders spawned:        {len(expected)} (one holds the mknod'ed copy {work}/container-dev/davinci0,")
-    print("                        one has a copy of davinci_manager mapped and no fd)")
+    print("                        one has a copy of davinci_manager mapped and no fd,")
+    print("                        one holds davinci1 after its main thread exited)")
     print(f"{'method':<36} {'median s':>9} {'ratio':>7} {'CPU s':>7} {'ratio':>7} {'holders found':>14}")
     for name, value in seconds.items():
         count = len(found[name]) if name in found else ""
@@ -265,6 +286,10 @@ def report(work: Path, info: dict[str, Any], measured: dict[str, Any], spawn_sec
     print(f"ours finds it:                 {bool(copy_match)} {[(m.fd, m.target) for m in copy_match]}")
     print(f"fuser finds the mmap-only holder (pid {mapped_holder}): {mapped_holder in fuser_pids}")
     print(f"ours finds it:                 {bool(mapped_match)} {[(m.via, m.target) for m in mapped_match]}")
+    print(
+        f"fuser finds the holder whose main thread exited (pid {leaderless_holder}): {leaderless_holder in fuser_pids}"
+    )
+    print(f"ours finds it:                 {leaderless_holder in ours_pids}")
     print(f"ours found every holder: {expected <= ours_pids}; missed by fuser: {sorted(expected - fuser_pids)}")
     summary = {
         "processes": ours.processes,
@@ -277,6 +302,7 @@ def report(work: Path, info: dict[str, Any], measured: dict[str, Any], spawn_sec
         "lsof_over_ours": round(seconds["lsof -t DEVICES"] / base, 2),
         "fuser_missed_copy": copy_holder not in fuser_pids,
         "fuser_missed_mapped": mapped_holder not in fuser_pids,
+        "fuser_missed_leaderless": leaderless_holder not in fuser_pids,
         "baselines_hung": measured["hung"],
         "ours_found_all": expected <= ours_pids,
     }
@@ -310,14 +336,15 @@ def main() -> int:
     if os.geteuid() != 0:
         print("needs root (mknod)", file=sys.stderr)
         return 2
-    if not shutil.which("fuser") or not shutil.which("lsof"):
-        print("needs fuser (psmisc) and lsof on PATH", file=sys.stderr)
+    if not shutil.which("fuser") or not shutil.which("lsof") or not shutil.which("gcc"):
+        print("needs fuser (psmisc), lsof and gcc on PATH", file=sys.stderr)
         return 2
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < args.fds + 64:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, args.fds + 64), hard))
     work = Path(tempfile.mkdtemp(prefix="holder-scan-"))
     spawner: subprocess.Popen[str] | None = None
+    leaderless: subprocess.Popen[bytes] | None = None
     try:
         prepare(work)
         started = time.perf_counter()
@@ -336,8 +363,14 @@ def main() -> int:
             print("the holders could not be started", file=sys.stderr)
             return 1
         info = json.loads(line)
+        leaderless = start_leaderless(work)
+        info["children"].append(leaderless.pid)
+        info["roles"]["leaderless"] = [leaderless.pid]
         return 0 if report(work, info, measure(args, work, info), time.perf_counter() - started) else 1
     finally:
+        if leaderless is not None:
+            leaderless.kill()
+            leaderless.wait(timeout=10)
         if spawner is not None:
             spawner.terminate()  # the spawner kills and reaps its children
             try:

@@ -7,7 +7,9 @@ declared Reason of the probe (`rule_reasons`), built from the rules in force.
 Matching is bounded: a rule sees at most `max_line_chars` of a message, and each match runs with a time limit
 in the `regex` module, which releases the GIL while it matches, so a pattern that backtracks without end on a
 crafted line costs its limit and never freezes the agent's other threads (Python's `re` holds the GIL and
-cannot be interrupted). Records about a user task are never matched (`is_user_task_record`).
+cannot be interrupted). Records about a user task are never matched (`is_user_task_record`), and the task name
+(comm) inside the records that lead with or embed one is replaced before any rule reads them
+(`neutralise_task_names`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,61 @@ USER_TASK_RECORD = re.compile(
     r"|\[\d+\]:? (?:unhandled |general protection |trap )"  # arm64, and older x86 spellings
     r"|\[[0-9a-f]+(?:,[0-9a-f]+)?\+[0-9a-f]+\]"  # print_vma_addr: " in FILE[offset,base+size]"
 )
+
+
+# A task's name (comm) is at most 15 bytes; the kernel escapes a byte that is not printable ASCII as \xHH, so it
+# is logged in at most 60 characters, the window each shape below gives it.
+_COMM = r"(?P<comm>.{1,60})"
+# Records whose text leads with or embeds a task's name, from their format strings; the name is replaced by
+# TASK_NAME before any rule (or recover pattern) reads the record, so a name spelled like a driver's fault line
+# (`XFS (x): error`, set with prctl(PR_SET_NAME)) never matches through it. The name is matched greedily up to
+# the kernel's own text after it: the last such text within the window is the real one, whatever the name
+# spells. A record that leads with a name is known by the kernel's text after it, and that text is longer than
+# 15 bytes, so no name can spell it: a driver's fault line that embeds a name early (NVRM's `name=%s`) is never
+# taken for one. The record stays readable (`? invoked oom-killer: ...`), and the rules about the record itself
+# (OomKill, HungTask) still match it.
+TASK_NAME_RECORDS = tuple(
+    re.compile(pattern)
+    for pattern in (
+        # mm/oom_kill.c dump_header: "%s invoked oom-killer: gfp_mask=%#x(%pGg), order=%d, oom_score_adj=%hd"
+        rf"^{_COMM} invoked oom-killer: ",
+        # mm/page_alloc.c warn_alloc: "%s: %pV, mode:...", %pV "page allocation failure: order:%u" or mm/vmalloc.c
+        # "vmalloc error: size %lu, ..."
+        rf"^{_COMM}: (?:page allocation failure: order:|vmalloc error: size )",
+        # pr_warn_once/pr_info task lines: "%s (%d): drop_caches: %d" (fs/drop_caches.c), "%s (%d): /proc/%d/oom_adj
+        # is deprecated" (fs/proc/base.c), "%s (%d): Using mlock ulimits for SHM_HUGETLB is deprecated"
+        # (mm/hugetlb), "%s (%d) used greatest stack depth: %lu bytes left" (kernel/exit.c), and arm64's "\"%s\"
+        # (%ld) uses deprecated %s instruction at 0x%llx" (armv8_deprecated.c)
+        rf'^"?{_COMM}"? \(\d+\)(?:: drop_caches: \d|: /proc/\d+/oom_adj is deprecated'
+        r"|: Using mlock ulimits for SHM_HUGETLB is deprecated| used greatest stack depth: \d"
+        r"| uses deprecated .{1,40} instruction)",
+        # kernel/hung_task.c: "INFO: task %s:%d blocked for more than %ld seconds."
+        rf"^INFO: task {_COMM}:\d+ blocked for more than ",
+        # mm/oom_kill.c __oom_kill_process: "%s: Killed process %d (%s) total-vm:...", and the reaper's line
+        rf"^(?:Out of memory|Memory cgroup out of memory)(?: \([^)]*\))?: Kill(?:ed)? process \d+ \({_COMM}\) ",
+        rf"^oom_reaper: reaped process \d+ \({_COMM}\), ",
+        # mm/oom_kill.c dump_oom_victim: "oom-kill:constraint=...,task=%s,pid=%d,uid=%d" (cgroup paths before it)
+        r"^oom-kill:(?P<comm>.*)$",
+        # mm/oom_kill.c dump_task rows: "[  pid  ]   uid  tgid total_vm      rss ... oom_score_adj name"
+        rf"^\[ *\d+\](?: +-?\d+)+ {_COMM}$",
+        # lib/dump_stack.c: "CPU: %d UID: %u PID: %d Comm: %.20s %s%s %s %.*s"
+        rf"^CPU: \d+ (?:UID: \d+ )?PID: \d+ Comm: {_COMM} (?:Not tainted|Tainted)",
+        # kernel/watchdog.c: "BUG: soft lockup - CPU#%d stuck for %us! [%s:%d]"
+        rf"^(?:watchdog: )?BUG: soft lockup - CPU#\d+ stuck for \d+s! \[{_COMM}:\d+\]$",
+    )
+)
+TASK_NAME = "?"
+
+
+def neutralise_task_names(message: str) -> tuple[str, bool]:
+    """`message` with the task name of a record that leads with or embeds one replaced by TASK_NAME (see
+    TASK_NAME_RECORDS), and whether it was one."""
+    for shape in TASK_NAME_RECORDS:
+        found = shape.search(message)
+        if found is not None:
+            start, end = found.span("comm")
+            return message[:start] + TASK_NAME + message[end:], True
+    return message, False
 
 
 def is_user_task_record(message: str) -> bool:
@@ -187,6 +244,7 @@ class RuleEngine:
         if is_user_task_record(message):
             self.user_task_records_total += 1
             return []
+        message, _ = neutralise_task_names(message)
         line = message[: self.max_line_chars]
         matched: list[str] = []
         now = self.clock()

@@ -8,14 +8,18 @@ they must not be reported missing (NpuMissing). Two signs tell a cut table:
 - chips are expected (a /dev/davinciN node npu-smi does not list, or npu.expected_chips) and `npu-smi info -l`
   counts more NPUs or chips than the table lists (`shortfall`). When `-l` cannot count them, a table whose
   process section names every card it lists is taken as whole; any other is not known to be.
+
+A table cut in its process section (after the process header: the chip section before it is complete and closed)
+still tells every chip's health and memory: `read_table` reads it as far as it is whole, and only the processes
+of the cards the section does not name in a closed block are unknown (None, so no HBM leak is judged there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from probes.npu.details import parse_key_values
-from probes.npu.info_table import NpuInfo, NpuSmiParseError, parse_int
+from probes.npu.info_table import NpuInfo, NpuSmiParseError, parse_info, parse_int
 
 
 def table_cut(text: str) -> str:
@@ -25,6 +29,41 @@ def table_cut(text: str) -> str:
     if lines and lines[-1].startswith("|"):
         return "the table ends in a row, without its closing border"
     return ""
+
+
+def read_table(text: str) -> tuple[NpuInfo | None, str]:
+    """`npu-smi info` read as far as it is whole: (the table, why it is cut: "" when it is whole). The table is
+    None when the cut leaves its chip section not known whole (no process header before the cut); cut after the
+    process header, every chip is read and the processes of the cards not named in a closed block are unknown
+    (`NpuInfo.processes_cut` says which). Raises NpuSmiParseError for a table it cannot read."""
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith(("+", "|"))]
+    partial = bool(lines) and not (lines[-1].startswith("|") and lines[-1].endswith("|") and len(lines[-1]) > 1)
+    partial = partial and not (lines[-1].startswith("+") and lines[-1].endswith("+") and len(lines[-1]) > 1)
+    cut = "the table ends in a cut line" if partial else table_cut(text)
+    if not cut:
+        info = parse_info(text)
+        if not info.has_process_table or info.process_cards:
+            return info, ""
+        return _processes_unknown(info, "the table ends after its process header"), ""
+    kept = lines[:-1] if partial else lines
+    header = next((i for i, line in enumerate(kept) if line.startswith("|") and "Process id" in line), None)
+    if header is None:
+        return None, cut
+    last_border = max((i for i, line in enumerate(kept) if line.startswith("+")), default=-1)
+    kept = kept[: max(header, last_border) + 1]  # the header, and each block of process rows closed by a border
+    info = parse_info("\n".join(kept))
+    return _processes_unknown(info, f"{cut}, in its process section"), ""
+
+
+def _processes_unknown(info: NpuInfo, why: str) -> NpuInfo:
+    """`info` with the processes of the cards its process section does not name made unknown (None)."""
+    named = info.process_cards
+    chips = tuple(chip if chip.card_id in named else replace(chip, processes=None) for chip in info.chips)
+    unknown = sorted({chip.card_id for chip in info.chips} - named)
+    if not unknown:
+        return info
+    cards = ", ".join(map(str, unknown))
+    return replace(info, chips=chips, processes_cut=f"{why}: the processes of NPU {cards} are unknown")
 
 
 @dataclass(frozen=True)

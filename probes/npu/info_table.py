@@ -85,6 +85,9 @@ class NpuInfo:
     # Cards the process table names (a process row, or "No running processes found in NPU N"): a whole table
     # names every card of the chip table.
     process_cards: frozenset[int] = frozenset()
+    # Why the processes of some cards are unknown: the output was cut in its process section, after a complete,
+    # closed chip section (`probes.npu.completeness.read_table`); "" when the process section is whole.
+    processes_cut: str = ""
 
 
 # --- npu-smi info ----------------------------------------------------------------------------------

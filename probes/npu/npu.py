@@ -39,12 +39,12 @@ from probes.base import (
     Status,
     register,
 )
-from probes.npu.completeness import parse_card_list, shortfall, table_cut
+from probes.npu.completeness import parse_card_list, read_table, shortfall
 from probes.npu.config import NpuConfig
 from probes.npu.details import ChipMapping, HealthDetail, parse_health, parse_mapping, parse_proc_mem, resolve_ids
 from probes.npu.findings import chip_subject, hbm_findings, health_findings, with_identity
 from probes.npu.holder_findings import holder_findings, numbers_held_by_fd, where_looked
-from probes.npu.info_table import NpuChip, NpuInfo, parse_info
+from probes.npu.info_table import NpuChip, NpuInfo
 from probes.npu.ledger_findings import FirstSeen, ledger_findings, ledger_note, ledger_verdicts, npu_ledger
 from probes.npu.metrics import chip_samples
 from probes.npu.reasons import (
@@ -229,14 +229,13 @@ class NpuProbe(Probe):
                 observed["ret"] = failure.ret
             return None, _no_table(NPU_SMI_FAILED, Status.FAIL, failure.message, failure.hint, observed)
         try:
-            info = parse_info(text or "")
+            info, cut = read_table(text or "")
         except ProbeParseError as exc:
             message = f"npu-smi info not understood: {exc}"
             hint = "the table layout is new to the agent: report the `npu-smi info` output"
             return None, _no_table(PARSE_ERROR, Status.UNKNOWN, message, hint, {"output": (text or "")[:300]})
-        cut = table_cut(text or "")
-        if cut:
-            return None, _truncated(f"{cut} after {len(info.chips)} chips", {"output": (text or "")[-300:]})
+        if info is None:
+            return None, _truncated(f"{cut}, before its process section", {"output": (text or "")[-300:]})
         return info, []
 
     def _cut_short(
@@ -277,6 +276,9 @@ class NpuProbe(Probe):
         chips = self._complete_processes(ctx, settings, info, chips, proc_mem_errors)
         cards = len({c.card_id for c in chips})
         message = f"npu-smi {info.version or ''}: {len(chips)} chips on {cards} cards".replace("  ", " ")
+        if info.processes_cut:  # the chips are whole; only the process rows the cut took are unknown
+            smi_observed["processes_cut"] = info.processes_cut
+            message += f"; {info.processes_cut} (no HBM leak judged there)"
         return chips, SMI.ok("", message, smi_observed)
 
     def _resolve(self, ctx: ProbeContext, settings: NpuConfig, info: NpuInfo) -> tuple[tuple[NpuChip, ...], str]:

@@ -39,10 +39,12 @@ NPU_TOOL_MISSING = Reason(
 NPU_TABLE_TRUNCATED = Reason(
     "NpuTableTruncated",
     Status.UNKNOWN,
-    "`npu-smi info` ended early: its table has no closing border, or it lists fewer chips than expected "
+    "`npu-smi info` ended early: before its process section (a chip table without its closing border), or it "
+    "lists fewer chips than expected "
     "(/dev/davinciN nodes, npu.expected_chips) and `npu-smi info -l` counts more (or cannot count them and the "
     "table's process section does not name every card); the chips left out are not judged missing, npu.smi, "
-    "npu.health and npu.hbm are unknown",
+    "npu.health and npu.hbm are unknown. A table cut after its process header is read: only the processes the cut "
+    "took are unknown (npu.smi's observed.processes_cut)",
     "a cut table is a tool problem, not a card problem: run `npu-smi info` on the host and compare with "
     "`npu-smi info -l`; npu-smi killed part-way (raise npu.smi_timeout_seconds) or a driver that stops answering "
     "mid-query (check `dmesg` for davinci/drv errors) cuts it",

@@ -7,6 +7,12 @@ its target could be one that is wanted, with statx(AT_STATX_DONT_SYNC), which FU
 inode cache without asking their server. A device scan (only device numbers wanted) needs no link text to
 decide: one statx per fd, and the readlink only for a wanted device; it also reads each process's mappings
 (`probes.runtime.mapscan`). Progress goes to shared memory (`PROGRESS`), findings to `emit`.
+
+A process whose main thread called pthread_exit() keeps its fds and mappings in its other threads, while
+/proc/PID/fd and /proc/PID/maps of its leader (a zombie) read empty: for a process whose fd table reads empty,
+and only then, the leader's state is read (`live_task`), and when it is a zombie with live threads, the fds,
+maps and cmdline of one live thread (/proc/TID, which has map_files as /proc/PID/task/TID has not) are read
+instead. No other process costs a read more.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from probes.runtime.mapscan import MappedDevices
-from probes.runtime.procstat import parse_stat
+from probes.runtime.procstat import parse_stat, state_of
 
 
 def list_pids(proc: Path) -> list[int]:
@@ -55,6 +61,30 @@ def _load_statx() -> Any:
 
 _STATX = _load_statx()
 STATX_AVAILABLE = _STATX is not None
+
+
+def live_task(proc_dir: str, pid: int) -> int | None:
+    """A live thread of `pid` when its leader has exited (zombie) and other threads still run, else None.
+
+    Only the leader's stat is read for any other process (a kernel thread or a process without fds, the only
+    others whose fd table reads empty); /proc/PID/status (Threads) and the task list only for a zombie."""
+    try:
+        with open(f"{proc_dir}/{pid}/stat", "rb") as handle:
+            if state_of(handle.read(4096).decode("utf-8", "replace")) != "Z":
+                return None
+        with open(f"{proc_dir}/{pid}/status", "rb") as handle:
+            status = handle.read(_TEXT_LIMIT)
+        at = status.find(b"\nThreads:")
+        if at < 0 or int(status[at + 9 : status.find(b"\n", at + 1)].strip() or b"0") < 2:
+            return None  # a plain zombie: its thread group is gone with it
+        for name in os.listdir(f"{proc_dir}/{pid}/task"):
+            if name.isdigit() and int(name) != pid:
+                with contextlib.suppress(OSError), open(f"{proc_dir}/{pid}/task/{name}/stat", "rb") as handle:
+                    if state_of(handle.read(4096).decode("utf-8", "replace")) not in ("Z", "X", ""):
+                        return int(name)
+    except (OSError, ValueError):
+        return None  # exited meanwhile
+    return None
 
 
 # /proc/PID/{stat,cgroup,status} as text and /proc/PID/cmdline as bytes (None when it could not be read).
@@ -128,16 +158,23 @@ def scan_fds(
         if emit is not None and (matches or index % _FLUSH_EVERY == _FLUSH_EVERY - 1):
             flush()
         if matches:
-            _read_texts(request.proc_dir, pid, texts, hand_over)
+            _read_texts(request.proc_dir, pid, texts, hand_over, reader.where(pid))
     found.extend(pending)
     if emit is not None:
         emit(pending, reader.counters, True, {})
     return {"matches": found, "texts": texts, **reader.counters, "processes": reader.processes}
 
 
-def _read_texts(proc_dir: str, pid: int, texts: dict[int, Any], hand_over: Callable[[dict[int, Any]], None]) -> None:
+def _read_texts(
+    proc_dir: str,
+    pid: int,
+    texts: dict[int, Any],
+    hand_over: Callable[[dict[int, Any]], None],
+    where: tuple[str, int],
+) -> None:
     """stat, cgroup and status first (procfs answers them without the process's locks), handed over; then
-    the cmdline, which may block on the process's mmap lock, handed over when it comes."""
+    the cmdline (from `where`: a live thread's when the leader has exited, whose own reads empty), which may
+    block on the process's mmap lock, handed over when it comes."""
     parts: list[str] = []
     try:
         for name in ("stat", "cgroup", "status"):
@@ -148,7 +185,7 @@ def _read_texts(proc_dir: str, pid: int, texts: dict[int, Any], hand_over: Calla
     texts[pid] = (*parts, None)
     hand_over({pid: texts[pid]})
     cmdline: bytes | None = None
-    with contextlib.suppress(OSError), open(f"{proc_dir}/{pid}/cmdline", "rb") as handle:
+    with contextlib.suppress(OSError), open(f"{where[0]}/{where[1]}/cmdline", "rb") as handle:
         cmdline = handle.read(_CMDLINE_LIMIT)
     if cmdline is not None:
         texts[pid] = (*parts, cmdline)
@@ -182,6 +219,7 @@ class _FdReader:
         self.request = request
         self.counters = {"vanished": 0, "permission_denied": 0, "fds": 0, "skipped": 0}
         self.processes = 0
+        self.tasks: dict[int, int] = {}  # pid → the live thread read for it: its leader has exited
         self.self_pid = os.getpid()
         self.statx = _STATX if request.use_statx else None
         self.buffer = ctypes.create_string_buffer(_STATX_SIZE)
@@ -202,11 +240,37 @@ class _FdReader:
         if pid == self.self_pid:
             return []
         self.processes += 1
+        proc_dir = self.request.proc_dir
+        found, refused, listed = self._fd_table(f"{proc_dir}/{pid}/fd", progress, index)
+        if listed == 0:  # nothing open, a kernel thread, or a leader that exited before its threads
+            task = live_task(proc_dir, pid)
+            if task is not None:
+                self.tasks[pid] = task
+                found, refused, _listed = self._fd_table(f"{proc_dir}/{task}/fd", progress, index)
+        if refused:
+            self.counters["permission_denied"] += 1
+        if not found:
+            return []
+        start = _start_time_or_none(proc_dir, pid)
+        if start is None:
+            self.counters["vanished"] += 1
+            return []
+        return [(pid, start, *match, "fd") for match in found]
+
+    def where(self, pid: int) -> tuple[str, int]:
+        """(/proc, id) whose /proc/ID holds the fd table, maps and cmdline to read for `pid`: the PID, or a live
+        thread's TID when the leader has exited (`live_task`). /proc/TID, not /proc/PID/task/TID: only the
+        former has map_files."""
+        return self.request.proc_dir, self.tasks.get(pid, pid)
+
+    def _fd_table(self, path: str, progress: mmap.mmap | None, index: int) -> tuple[list[tuple[Any, ...]], bool, int]:
+        """(wanted fds, whether some fd was refused, fds listed: -1 when the table could not be read) of one fd
+        directory."""
         try:
-            dir_fd = os.open(f"{self.request.proc_dir}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY)
+            dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
             self._count_error(exc)
-            return []
+            return [], False, -1
         found: list[tuple[Any, ...]] = []
         refused = False
         try:
@@ -214,7 +278,7 @@ class _FdReader:
                 entries = os.listdir(dir_fd)
             except OSError as exc:
                 self._count_error(exc)
-                return []
+                return [], False, -1
             if self.devices_by_statx:
                 refused = self._device_fds(dir_fd, entries, found, progress, index)
             else:
@@ -229,15 +293,7 @@ class _FdReader:
                         found.append(match)  # type: ignore[arg-type]
         finally:
             os.close(dir_fd)
-        if refused:
-            self.counters["permission_denied"] += 1
-        if not found:
-            return []
-        start = _start_time_or_none(self.request.proc_dir, pid)
-        if start is None:
-            self.counters["vanished"] += 1
-            return []
-        return [(pid, start, *match, "fd") for match in found]
+        return found, refused, len(entries)
 
     def mapped(self, pid: int, fd_matches: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """(pid, start_time, -1, path, ("rdev", rdev), "mmap") per wanted device node `pid` has mapped and does
@@ -245,7 +301,7 @@ class _FdReader:
         if pid == self.self_pid or not self.request.rdevs:
             return []
         held = {match[4][1] for match in fd_matches if match[4][0] == "rdev"}
-        mapped = [(path, rdev) for path, rdev in self.maps.find(self.request.proc_dir, pid) if rdev not in held]
+        mapped = [(path, rdev) for path, rdev in self.maps.find(*self.where(pid)) if rdev not in held]
         if not mapped:
             return []
         start = fd_matches[0][1] if fd_matches else _start_time_or_none(self.request.proc_dir, pid)

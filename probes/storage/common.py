@@ -39,12 +39,23 @@ HINT_DEAD = (
     "restart its mount service: juicefs, s3fs, sshfs, the CSI node plugin); jobs with files open under it must "
     "restart"
 )
+# EIO from a FUSE filesystem is the daemon's own answer: the kernel says ENOTCONN (ECONNABORTED for a request in
+# flight) once the daemon's /dev/fuse is closed, so a daemon that answers EIO is alive and has lost what it
+# serves from (JuiceFS its metadata engine or object store, s3fs its bucket, sshfs its server).
+HINT_ERRORS = (
+    "the FUSE daemon serving {path} runs but answers every access with an error: it lost its backend (JuiceFS: "
+    "the metadata engine (Redis, TiKV, MySQL) or the object store; s3fs: the bucket's endpoint or credentials; "
+    "sshfs: the server): read the daemon's log and restore the backend; a share that does not recover then must "
+    "be remounted (fusermount -uz {path}, or umount -l {path}, then mount {path} or restart its mount service); "
+    "jobs with files open under it must restart"
+)
 MOUNT_DEAD = Reason(
     "MountDead",
     Status.FAIL,
-    "the filesystem's connection is gone: ENOTCONN (errno 107, 'Transport endpoint is not connected') or "
-    "ECONNABORTED, or EIO from a FUSE filesystem: its daemon died and every access fails",
-    HINT_DEAD.format(path="PATH"),
+    "the filesystem cannot be used: ENOTCONN (errno 107, 'Transport endpoint is not connected') or "
+    "ECONNABORTED, its FUSE daemon is gone; or EIO from a FUSE filesystem, its daemon runs and answers every "
+    "access with an error (a lost backend)",
+    HINT_DEAD.format(path="PATH") + "; when it answers EIO it is alive: " + HINT_ERRORS.format(path="PATH"),
 )
 PATH_MISSING = Reason(
     "PathMissing",
@@ -108,13 +119,16 @@ def dead_mount_finding(
     check: Check, subject: str, path: str, number: int | None, fstype: str | None, observed: Mapping[str, Any]
 ) -> Finding:
     """MountDead: what failed, on which filesystem, and how to detach and remount it (`path`: the mount point
-    when known, else the configured path)."""
+    when known, else the configured path). ENOTCONN/ECONNABORTED: the daemon is gone; EIO on FUSE: the daemon
+    lives and answers errors (HINT_ERRORS), which no remount alone fixes."""
     on = f" ({fstype})" if fstype else ""
-    message = (
-        f"{safe_text(subject)}: {errno_label(number)} on {safe_text(path)}{on}: the filesystem's daemon is gone, "
-        "every access fails"
-    )
-    return check.report(MOUNT_DEAD, subject, message, observed, hint=HINT_DEAD.format(path=safe_text(path)))
+    head = f"{safe_text(subject)}: {errno_label(number)} on {safe_text(path)}{on}"
+    if number in DEAD_ERRNOS:
+        message = f"{head}: the filesystem's daemon is gone, every access fails"
+        return check.report(MOUNT_DEAD, subject, message, observed, hint=HINT_DEAD.format(path=safe_text(path)))
+    message = f"{head}: the filesystem's daemon runs but answers every access with an error (its backend lost?)"
+    observed = {**observed, "daemon": "answering errors"}
+    return check.report(MOUNT_DEAD, subject, message, observed, hint=HINT_ERRORS.format(path=safe_text(path)))
 
 
 def child_error_finding(

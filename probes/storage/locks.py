@@ -61,6 +61,7 @@ from probes.storage.waiters import (
     LOCK_WAITER_CHECK_UNAVAILABLE,
     POLLING_WINDOW,
     PROCESS_WAITING_ON_FILE_BATON,
+    SLOW_POLLING_WINDOW,
     StaleLock,
     lock_waiter_candidates,
 )
@@ -69,6 +70,8 @@ from probes.storage.waiters import (
 # the rest, so py-spy and removals still have time before the deadline.
 WALK_SHARE = 0.5
 SCAN_SHARE = 0.6
+# Of the time left when pollers are looked for, at most this share watches slow pollers (py-spy dumps follow).
+SLOW_SHARE = 0.4
 CONTAINERS_SUBJECT = "containers"
 
 
@@ -292,7 +295,11 @@ class LocksProbe(Probe):
         if not watched:
             return None
         prefer = {group.namespace.namespace for group in watched if group.namespace}
-        return lock_waiter_candidates(ctx.host.proc, settings.lock_waiter_max_processes, prefer, POLLING_WINDOW)
+        # Slow pollers are watched longer, within the run's time: py-spy's dumps come after.
+        slow = max(0.0, min(SLOW_POLLING_WINDOW, (ctx.remaining(0.0) - reserve_seconds(ctx)) * SLOW_SHARE))
+        return lock_waiter_candidates(
+            ctx.host.proc, settings.lock_waiter_max_processes, prefer, POLLING_WINDOW, slow_window=slow
+        )
 
     # --- findings ----------------------------------------------------------------------------------
 

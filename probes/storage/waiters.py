@@ -52,6 +52,10 @@ _MAX_THREADS = 32
 # How long the wake-ups of candidates are watched when only pollers are wanted (filelock polls every 50 ms,
 # FileBaton every 100 ms).
 POLLING_WINDOW = 0.5
+# How much longer the threads that slept through that window in nanosleep are watched: slow pollers
+# (filelock's acquire(poll_interval=2.0)) wake twice within the two windows, 4.5 s, for intervals up to 2 s,
+# with half a second to spare for a late wake-up on a busy machine. Only when such a thread exists.
+SLOW_POLLING_WINDOW = 4.0
 # A poller wakes up this often within the window at least (filelock 10 times, FileBaton 5); a thread that merely
 # fell asleep as the first sample was taken may count once.
 POLLING_MIN_WAKEUPS = 2
@@ -82,11 +86,16 @@ def read_text_or_empty(path: Any) -> str:
 
 
 def lock_waiter_candidates(
-    proc: Any, limit: int, prefer: Collection[str] = (), polling_window: float = POLLING_WINDOW
+    proc: Any,
+    limit: int,
+    prefer: Collection[str] = (),
+    polling_window: float = POLLING_WINDOW,
+    slow_window: float = 0.0,
 ) -> list[int]:
     """Python processes seen polling, as lock waiters do (FileBaton.wait and filelock's acquire sleep between
     tries): a thread of theirs sleeping in nanosleep woke up (voluntary context switches) within
-    `polling_window` seconds; those in the mount namespaces `prefer` (containers with stale locks) and the
+    `polling_window` seconds, or, for a thread that slept through it, within `slow_window` seconds more (a slow
+    poller); those in the mount namespaces `prefer` (containers with stale locks) and the
     newest sampled first, the most wake-ups first. Cheap, and it leaves out idle daemons and busy training
     processes alike, so py-spy (which pauses a process) is spent on likely waiters only. Zombies, stopped
     processes and those in uninterruptible I/O poll nothing.
@@ -109,7 +118,7 @@ def lock_waiter_candidates(
                 namespace = None
         found.append((namespace not in prefer, pid))
     newest = sorted(found, key=lambda item: (item[0], -item[1]))[:_MAX_SAMPLED]
-    woke = polling(proc, [pid for _, pid in newest], polling_window)
+    woke = polling(proc, [pid for _, pid in newest], polling_window, slow_window)
     preferred = {pid for not_preferred, pid in newest if not not_preferred}
     return sorted(woke, key=lambda pid: pid not in preferred)[:limit]
 
@@ -132,26 +141,48 @@ def thread_samples(proc: Any, pid: int) -> dict[str, tuple[bool, int]] | None:
     return samples
 
 
-def polling(proc: Any, pids: Sequence[int], window: float) -> list[int]:
+def polling(proc: Any, pids: Sequence[int], window: float, slow_window: float = 0.0) -> list[int]:
     """The processes among `pids` with a thread seen sleeping in nanosleep (at either of two samples `window`
     seconds apart) that woke up at least POLLING_MIN_WAKEUPS times in between, most wake-ups first: a loop
     around time.sleep, as lock pollers are. Busy threads, threads blocked on I/O, locks or a condition, and long
-    sleepers do not count. Two samples, so that a poller caught running (or waiting for a CPU) still counts."""
+    sleepers do not count. Two samples, so that a poller caught running (or waiting for a CPU) still counts.
+
+    With `slow_window`, the processes none of whose threads woke that often but one of which slept in nanosleep
+    are sampled once more `slow_window` seconds later, and count when such a thread woke often enough over both
+    windows: a poller with a longer interval. Nothing is waited for when there is no such thread."""
     before = {pid: thread_samples(proc, pid) for pid in pids}
     time.sleep(window)
     rates: list[tuple[int, int]] = []
+    sleepers: dict[int, set[str]] = {}  # pid → threads seen in nanosleep that did not wake often enough
     for pid, first in before.items():
         after = thread_samples(proc, pid) if first else None
         if not first or not after:
             continue
-        woke = 0
-        for tid, (slept, count) in first.items():
-            now_sleeping, now_count = after.get(tid, (False, count))
-            if (slept or now_sleeping) and now_count - count >= POLLING_MIN_WAKEUPS:
-                woke += now_count - count
+        woke = _wakeups(first, after, set())
         if woke:
             rates.append((-woke, pid))
+        else:
+            sleepers[pid] = {tid for tid, (slept, _) in first.items() if slept or after.get(tid, (False, 0))[0]}
+    slow = {pid: tids for pid, tids in sleepers.items() if tids}
+    if slow and slow_window > 0:
+        time.sleep(slow_window)
+        for pid, tids in slow.items():
+            later = thread_samples(proc, pid)
+            woke = _wakeups(before[pid] or {}, later, tids) if later else 0
+            if woke:
+                rates.append((-woke, pid))
     return [pid for _, pid in sorted(rates)]
+
+
+def _wakeups(first: dict[str, tuple[bool, int]], after: dict[str, tuple[bool, int]], slept: set[str]) -> int:
+    """Wake-ups between two samples of the threads seen sleeping in nanosleep (at either, or in `slept`) that
+    woke at least POLLING_MIN_WAKEUPS times; 0 when none did."""
+    woke = 0
+    for tid, (was_sleeping, count) in first.items():
+        now_sleeping, now_count = after.get(tid, (False, count))
+        if (was_sleeping or now_sleeping or tid in slept) and now_count - count >= POLLING_MIN_WAKEUPS:
+            woke += now_count - count
+    return woke
 
 
 def stat_key_in_child(path: str) -> tuple[int, int]:

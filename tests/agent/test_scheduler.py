@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
+
+import pytest
 
 from agent.cli import run_check
 from agent.config import Config, parse_config
@@ -76,3 +79,36 @@ def test_node_health_check_reports_the_config_required_checks_and_a_failing_prob
     snapshot = run_check(config(fail_threshold=5, required_checks=["host.device"]), {"device": Flipping}, None)
     assert snapshot.required == ("host.device",)
     assert [(r.check, r.reason) for r in snapshot.verdict.reasons] == [("host.device", "Broken")]
+
+
+class Slow(Probe):
+    """Takes a moment, so that the one-shot waits on it while the quick probe's worker records its result."""
+
+    name = "slow"
+    checks = ("host.slow",)
+    reasons = ()
+
+    def run(self, ctx: ProbeContext) -> ProbeOutput:
+        time.sleep(0.3)
+        return [Check("host.slow").ok("", "done")]
+
+
+def test_a_one_shot_waits_for_every_result_to_be_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker lets go of its slot before it records its result; a one-shot that waited on the slot returned
+    with a finished probe still WarmingUp (pcie under a loaded CPU). Recording is made slow here: every result is
+    in the state when run_all_once returns, whatever the timing."""
+    settings = config()
+    state = build_state(settings)
+    record = state.record
+
+    def slow_record(name: str, *args: Any, **kwargs: Any) -> None:
+        if name == "device":  # done at once, and slow to record: the one-shot must wait for it still
+            time.sleep(1.0)
+        record(name, *args, **kwargs)
+
+    monkeypatch.setattr(state, "record", slow_record)
+    Flipping.queued[:] = [Status.OK]
+    scheduler = Scheduler({"slow": Slow(), "device": Flipping()}, settings, Host(), state, one_shot=True)
+    scheduler.run_all_once()
+    found = {s.finding.check: s.finding.reason for s in state.current().checks}
+    assert found == {"host.slow": "OK", "host.device": "OK"}, found

@@ -144,7 +144,7 @@ def test_a_warm_up_longer_than_the_wait_is_not_ready(shell: str) -> None:
     assert 1 <= outcome.seconds < 10, outcome  # seconds as `date +%s` counts them: within one of 2
     assert re.fullmatch(
         rf"node-health pre-flight: {url}/ready answered 503: this node is not ready for the job "
-        r"\(still warming up after \d s\)",
+        r"\(still warming up after \d+ s\)",
         outcome.lines[1],
     ), outcome.lines
     assert outcome.lines[2:] == [f"not ready on {NODE}: 2 reasons", *outcome.lines[3:5]]
@@ -191,10 +191,12 @@ def test_an_overloaded_agent_is_exit_4_and_never_failed_open(shell: str) -> None
             outcome = preflight(env, shell)
     assert outcome.code == 4, outcome
     # Asked again for NODE_HEALTH_WAIT_SECONDS, but at least as long as for an absent agent (about 10 s).
-    assert 8 <= outcome.seconds < 20, outcome  # whole seconds, as `date +%s` counts them
+    # Whole seconds, as `date +%s` counts them. The upper bound only tells a script that gives up from one that
+    # never does: on a loaded machine each of its curl runs takes longer, and it says so (`within 12 s`).
+    assert 8 <= outcome.seconds < 60, outcome
     first, second = outcome.stderr.splitlines()
     assert re.fullmatch(
-        r"node-health pre-flight: agent overloaded: it refused every attempt for load within \d s, so this node's "
+        r"node-health pre-flight: agent overloaded: it refused every attempt for load within \d+ s, so this node's "
         r"health is unknown\. Last: .*",
         first,
     ), first

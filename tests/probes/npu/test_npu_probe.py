@@ -324,6 +324,31 @@ def _cut_after_chip(name: str, chip: int, rows: int = 3) -> str:
 
 
 @pytest.mark.system
+def test_a_table_cut_in_its_process_section_tells_its_chips(tmp_path: Path, fake: FakeSmi) -> None:
+    """The chip section is complete and closed, the output cut after the process header (and after the first
+    process row): every chip's health and HBM are told; the processes the cut took are unknown, said by npu.smi,
+    and no chip is called leaked for want of them (each uses 3.4 GiB with a 1 GiB leak threshold)."""
+    lines = npu_fixture("910b1-8card-healthy-1proc-info-24.1.0.txt").read_text().splitlines(keepends=True)
+    header = next(i for i, line in enumerate(lines) if "Process id" in line)
+    dev = make_dev(tmp_path / "dev", {f"davinci{n}": (240, n) for n in range(8)})
+    for end in (header + 1, header + 3):
+        fake.answer({"info": {"stdout": "".join(lines[:end])}})
+        findings, _ = run_probe(context(tmp_path, {"hbm_leak_min_mib": 1000}, dev=dev))
+        smi = findings[("npu.smi", "")]
+        assert smi.status is Status.OK and "in its process section" in smi.message, smi
+        assert "the processes of NPU 0, 1, 2, 3, 4, 5, 6, 7 are unknown" in smi.observed["processes_cut"]
+        for chip in range(8):
+            assert findings[("npu.health", f"npu{chip}")].status is Status.OK
+            hbm = findings[("npu.hbm", f"npu{chip}")]
+            assert hbm.status is Status.OK and hbm.observed["used_mib"] > 3000, hbm
+        assert not any(f.reason in ("NpuTableTruncated", "NpuMissing") for f in findings.values())
+    # The same table whole: the chips with no process and 3.4 GiB in use are leaks at that threshold.
+    fake.answer({"info": table("910b1-8card-healthy-1proc-info-24.1.0.txt")})
+    findings, _ = run_probe(context(tmp_path, {"hbm_leak_min_mib": 1000}, dev=dev))
+    assert findings[("npu.hbm", "npu1")].reason == "NpuHbmLeaked"
+
+
+@pytest.mark.system
 def test_a_table_cut_short_is_a_tool_problem_never_missing_chips(tmp_path: Path, fake: FakeSmi) -> None:
     """The field variant: `npu-smi info` printed four of the eight chips. The chips it left out did not fall off
     the bus: nothing is judged from the table, and the fix is about the tool, not the card."""
@@ -346,7 +371,7 @@ def test_a_table_cut_short_is_a_tool_problem_never_missing_chips(tmp_path: Path,
     findings, _ = run_probe(context(tmp_path, dev=dev))
     smi = findings[("npu.smi", "")]
     assert (smi.status, smi.reason) == (Status.UNKNOWN, "NpuTableTruncated")
-    assert "the table ends in a row, without its closing border after 4 chips" in smi.message
+    assert "the table ends in a row, without its closing border, before its process section" in smi.message
     assert fake.calls() == ["info"]
 
     # -l cannot count and the table has no process section to show it is whole: still not known, not missing.

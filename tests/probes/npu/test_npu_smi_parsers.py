@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from support.system import FIXTURES, require_fixtures
 
 from probes.base import ProbeParseError
-from probes.npu.completeness import CardCount, parse_card_list, shortfall, table_cut
+from probes.npu.completeness import CardCount, parse_card_list, read_table, shortfall, table_cut
 from probes.npu.details import (
     ChipMapping,
     parse_health,
@@ -418,6 +418,62 @@ def test_a_table_is_cut_when_it_ends_in_a_row_and_whole_when_its_process_section
     assert "is absent" in shortfall(info("910b3-8card-healthy-info-24.1.rc1-noproc-section.txt"), None, "timeout")
 
 
+PROCESS_TABLES = [
+    "910b1-8card-healthy-1proc-info-24.1.0.txt",
+    "a3-910_93-2card-4chip-1proc-info-25.2.0.txt",
+    "310p3-duo-2card-4chip-busy-mindie-procs-hugepages-info-24.1.0.1.txt",
+    "910b3-8card-1proc-info-26.1.0-WIDE-layout-testfixture.txt",
+]
+
+
+def _cuts(text: str) -> dict[str, tuple[str, set[int]]]:
+    """The real table cut at each point of its process section: name → (cut text, cards whose processes are
+    still known: named in a block closed before the cut)."""
+    lines = text.rstrip("\n").splitlines()
+    header = next(i for i, line in enumerate(lines) if "Process id" in line)
+    first_block_end = next(i for i in range(header + 2, len(lines)) if lines[i].strip().startswith("+"))
+    whole = parse_info(text)
+    first_block = parse_info("\n".join(lines[: first_block_end + 1])).process_cards
+    assert first_block and first_block != whole.process_cards
+    return {
+        "after the process header": ("\n".join(lines[: header + 1]), set()),
+        "after the process header's border": ("\n".join(lines[: header + 2]), set()),
+        "in the first process row": ("\n".join(lines[: header + 3])[:-9], set()),
+        "after the first process row": ("\n".join(lines[: header + 3]), set()),
+        "in the next block": ("\n".join(lines[: first_block_end + 2]), set(first_block)),
+    }
+
+
+@pytest.mark.parametrize("name", PROCESS_TABLES)
+def test_a_table_cut_in_its_process_section_keeps_its_chips(name: str) -> None:
+    """Cut after a complete, closed chip section: every chip's health and memory are read, and only the processes
+    the cut took are unknown (None, which judges no HBM leak), said in `processes_cut`."""
+    text = fixture(name)
+    whole, why = read_table(text)
+    assert whole is not None and why == "" and whole.processes_cut == ""
+    for where, (cut, known) in _cuts(text).items():
+        info, why = read_table(cut)
+        assert info is not None and why == "", where
+        assert [(c.card_id, c.chip_index, c.health, c.hbm_used_mib, c.memory_used_mib) for c in info.chips] == [
+            (c.card_id, c.chip_index, c.health, c.hbm_used_mib, c.memory_used_mib) for c in whole.chips
+        ], where
+        unknown = sorted({c.card_id for c in whole.chips} - known)
+        assert info.processes_cut.endswith(f"the processes of NPU {', '.join(map(str, unknown))} are unknown"), where
+        for chip, full in zip(info.chips, whole.chips, strict=True):
+            assert chip.processes == (full.processes if chip.card_id in known else None), (where, chip)
+
+
+def test_a_table_cut_before_its_process_section_is_not_read() -> None:
+    """Cut inside the chip section: the chips are not known whole, nothing is read (NpuTableTruncated); cut at a
+    chip's border, the table reads as one of fewer chips, which `shortfall` tells from the node's chips."""
+    lines = fixture("910b1-8card-healthy-1proc-info-24.1.0.txt").splitlines()
+    header = next(i for i, line in enumerate(lines) if "Process id" in line)
+    assert read_table("\n".join(lines[:8])) == (None, "the table ends in a row, without its closing border")
+    assert read_table("\n".join(lines[:8])[:-5]) == (None, "the table ends in a cut line")
+    info, why = read_table("\n".join(lines[:header]))  # the chip section closed, the process table not begun
+    assert info is not None and len(info.chips) == 8 and not info.has_process_table and why == ""
+
+
 def test_every_fixture_is_covered() -> None:
     """Every captured output has a test above that names it (and so reads it through `fixture`)."""
     present = {p.name for p in require_fixtures().joinpath("npu-smi").iterdir() if p.name != "SOURCES.md"}
@@ -433,7 +489,16 @@ def _all_texts() -> list[str]:
 
 
 TEXTS = _all_texts()
-PARSERS = (parse_info, parse_mapping, parse_health, parse_proc_mem, parse_key_values, parse_card_list, table_cut)
+PARSERS = (
+    parse_info,
+    parse_mapping,
+    parse_health,
+    parse_proc_mem,
+    parse_key_values,
+    parse_card_list,
+    table_cut,
+    read_table,
+)
 
 
 @st.composite

@@ -97,14 +97,27 @@ def test_a_sigkilled_fuse_daemon_is_mount_dead_in_every_storage_check(tmp_path: 
 
 @pytest.mark.system
 def test_eio_from_a_fuse_daemon_that_lost_its_backend_is_mount_dead(tmp_path: Path) -> None:
-    """sshfs and s3fs answer EIO once their connection to the server is gone: on FUSE that is a dead share."""
+    """JuiceFS without its metadata engine, s3fs and sshfs without their server answer EIO: the share is dead, but
+    its daemon lives and answers, and the finding says so (never "the daemon is gone"); a killed daemon is told
+    apart by the kernel's ENOTCONN."""
     fuse_capable()
     with fuse_mount(tmp_path, "--getattr-errno", "EIO") as mount:
         config = {"storage": {"mounts": [{"path": str(mount.path), "fstype": "fuse"}]}}
-        finding = findings_of(MountsProbe(), config)[str(mount.path)]
-    assert (finding.status, finding.reason) == (Status.FAIL, "MountDead"), finding
-    assert "EIO (errno 5" in finding.message
-    assert f"fusermount -uz {mount.path}" in finding.hint
+        live = [findings_of(MountsProbe(), config)[str(mount.path)]]
+        os.kill(mount.daemon_pid, 0)  # the daemon is alive all along
+        kill_daemon(mount.path, mount.daemon_pid)
+        dead = findings_of(MountsProbe(), config)[str(mount.path)]
+    for finding in live:
+        assert (finding.status, finding.reason) == (Status.FAIL, "MountDead"), finding
+        assert (
+            "EIO (errno 5" in finding.message
+            and "daemon runs but answers every access with an error" in finding.message
+        )
+        assert "gone" not in finding.message and "killed" not in finding.hint
+        assert "metadata engine" in finding.hint and "log" in finding.hint
+        assert f"fusermount -uz {mount.path}" in finding.hint
+        assert finding.observed["daemon"] == "answering errors"
+    assert_mount_dead(dead, mount.path)
 
 
 def test_eio_elsewhere_is_not_taken_for_a_dead_daemon() -> None:

@@ -46,9 +46,10 @@ elif mode == "block":  # a blocking flock(2) waiter, as /proc/locks shows it: `-
     print("ready", flush=True)
     fcntl.flock(os.open(path, os.O_RDWR), fcntl.LOCK_EX)
     sys.exit(0)
-else:  # "soft-wait" / "flock-wait": filelock's acquire polls every 50 ms, forever
+else:  # "soft-wait" / "flock-wait": filelock's acquire polls every 50 ms (or argv[4] s), forever
     print("ready", flush=True)
-    (filelock.SoftFileLock if mode == "soft-wait" else filelock.FileLock)(path).acquire()
+    interval = float(sys.argv[4]) if len(sys.argv) > 4 else 0.05
+    (filelock.SoftFileLock if mode == "soft-wait" else filelock.FileLock)(path).acquire(poll_interval=interval)
     sys.exit(0)
 print("ready", flush=True)
 time.sleep(600)
@@ -56,9 +57,9 @@ time.sleep(600)
 
 
 class Child:
-    def __init__(self, mode: str, path: Path) -> None:
+    def __init__(self, mode: str, path: Path, *extra: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, mode, str(path), FILELOCK_VERSION],
+            [sys.executable, "-c", CHILD, mode, str(path), FILELOCK_VERSION, *extra],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
         )
@@ -157,6 +158,29 @@ def test_an_empty_softfilelock_left_by_a_killed_holder_is_stale_once_a_process_p
         path.unlink()  # the fix: the waiter takes the lock and ends
         assert waiter.proc.wait(10) == 0
         assert subject not in run_locks(glob, probe)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("interval", ["0.5", "1.0", "2.0"])
+def test_a_slow_poller_of_an_empty_softfilelock_is_found(tmp_path: Path, interval: str) -> None:
+    """filelock 3.13's acquire(poll_interval=...) up to 2 s between tries: the first half-second window sees it
+    sleep through, and only then its threads are watched longer (SLOW_POLLING_WINDOW)."""
+    locks = tmp_path / "hub" / ".locks" / "models--org--model-7b"
+    locks.mkdir(parents=True)
+    path = locks / "slow.lock"
+    path.write_bytes(b"")
+    age(path)
+    glob = f"{tmp_path}/hub/.locks/*/*.lock"
+    subject = f"{glob}: {path}"
+    probe = LocksProbe()
+    with children() as started:
+        waiter = Child("soft-wait", path, interval)
+        started.append(waiter)
+        stale = until(showing(glob, subject, probe), tries=5)[subject]
+        assert (stale.status, stale.reason) == (Status.FAIL, "StaleFileLock"), stale
+        assert [w["pid"] for w in stale.observed["waiters"]] == [waiter.pid]
+        path.unlink()  # the fix: the waiter takes the lock and ends
+        assert waiter.proc.wait(10) == 0
 
 
 @pytest.mark.system
