@@ -23,6 +23,7 @@ from agent.version import __version__
 from probes import all_probes
 from probes.base import Probe, Sample
 from probes.host.config import HostConfig
+from probes.runtime import cpulimit
 from probes.runtime.host import Host
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,11 @@ class Agent:
         config: Config,
         no_kube: bool = False,
         probe_classes: dict[str, type[Probe]] | None = None,
+        cpu: cpulimit.Confinement | None = None,
     ) -> None:
         self.config_path = config_path
+        # The container's CPU limit and the work cgroup the probes' children run in (run_daemon confines).
+        self.cpu = cpu if cpu is not None else cpulimit.observe()
         self.config = config
         self.no_kube = no_kube
         self.probe_classes = probe_classes if probe_classes is not None else all_probes()
@@ -160,6 +164,7 @@ class Agent:
                 "config_warnings": self.config_notes.warnings(),
             },
         }
+        extra["cpu"] = self.cpu.status()
         if self.kube is not None:
             extra["kubernetes"] = self.kube.status()
         return extra
@@ -183,6 +188,7 @@ class Agent:
                 len(self.host.children.in_flight()),
             )
         )
+        samples.extend(cpu_samples(self.cpu))
         if self.kube is not None:
             samples.extend(self.kube.samples())
         return samples
@@ -282,10 +288,61 @@ class Agent:
         self.http.stop(timeout=max(0.1, deadline - time.monotonic()))
 
 
+def cpu_samples(cpu: cpulimit.Confinement) -> list[Sample]:
+    """The container's CFS counters (and the work cgroup's, where the probes' children run in one): throttled
+    periods stop every thread of the cgroup, the HTTP loop's included when it is the container's."""
+    samples = []
+    for name, group in (("container", cpu.container), (cpulimit.WORK, cpu.work)):
+        if group is None:
+            continue
+        stat, labels, limit = group.stat(), {"cgroup": name}, group.millicores()
+        samples += [
+            Sample(
+                "nodehealth_cpu_periods_total",
+                "CFS periods with runnable tasks, by cgroup.",
+                stat.periods,
+                labels,
+                "counter",
+            ),
+            Sample(
+                "nodehealth_cpu_throttled_periods_total",
+                "CFS periods in which the cgroup used up its CPU quota and was stopped until the next one.",
+                stat.throttled_periods,
+                labels,
+                "counter",
+            ),
+            Sample(
+                "nodehealth_cpu_throttled_seconds_total",
+                "Seconds the cgroup's threads were stopped by its CPU quota.",
+                stat.throttled_seconds,
+                labels,
+                "counter",
+            ),
+            Sample(
+                "nodehealth_cpu_limit_cores",
+                "The cgroup's CPU quota in cores; 0 when it has none.",
+                (limit or 0) / 1000,
+                labels,
+            ),
+        ]
+    return samples
+
+
 def run_daemon(config_path: str | None, config: Config, no_kube: bool) -> int:
     raise_fd_limit()
     limit_malloc_arenas()
-    agent = Agent(config_path, config, no_kube=no_kube)
+    cpu = cpulimit.confine()  # before the first child: every later one runs in the work cgroup
+    if cpu.work is not None:
+        log.info(
+            "probes' children run in %s (%s, %sm of the %sm limit)",
+            cpu.work.path,
+            cpu.mode,
+            cpu.work_millicores(),
+            cpu.limit_millicores(),
+        )
+    else:
+        log.info("probes' children share the agent's cgroup: %s", cpu.why)
+    agent = Agent(config_path, config, no_kube=no_kube, cpu=cpu)
     agent.install_signal_handlers()
     try:
         agent.start()

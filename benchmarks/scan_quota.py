@@ -120,11 +120,17 @@ class CpuQuota:
     ) -> None:
         deadline = time.monotonic() + 10
         while True:
-            with contextlib.suppress(OSError):
-                for pid in self.procs.read_text().split():  # a scanner still exiting: back to the parent
-                    with contextlib.suppress(OSError):
-                        (self.parent / "cgroup.procs").write_text(pid)
+            # The agent's own work and server cgroups (probes/runtime/cpulimit.py) first, then this one.
+            nested = sorted((p for p in self.path.iterdir() if p.is_dir()), key=lambda p: -len(p.parts))
+            for group in [*nested, self.path]:
+                with contextlib.suppress(OSError):
+                    for pid in (group / "cgroup.procs").read_text().split():  # still exiting: back to the root
+                        with contextlib.suppress(OSError):
+                            (self.parent / "cgroup.procs").write_text(pid)
             try:
+                for group in nested:
+                    with contextlib.suppress(FileNotFoundError):
+                        group.rmdir()
                 self.path.rmdir()
                 return
             except FileNotFoundError:
