@@ -39,6 +39,7 @@ WORK_FLOOR_SHARE = 0.25  # below a limit the headroom cannot leave room in, the 
 # A fifth of the container's period: any container period then overlaps at most six of the work cgroup's, so
 # children that ran late in one and early in the next still take at most 1.2x their share of it.
 WORK_PERIOD_SHARE = 5
+MIN_QUOTA_US, MAX_PERIOD_US = 1000, 1_000_000  # the kernel's bounds on cfs_quota_us / cpu.max
 
 _work_procs: bytes | None = None  # the work cgroup's cgroup.procs, as the children open it
 _active: Confinement | None = None  # what confine() set up, for the messages of scans it cut short
@@ -215,8 +216,10 @@ def _make_work(container: CpuCgroup, mode: str, limit: int | None) -> CpuCgroup:
             (work.path / "cpu.weight").write_text("1")
         return work
     assert limit is not None
-    period = max(1000, period // WORK_PERIOD_SHARE)
-    quota = work_millicores(limit) * period // 1000
+    share = work_millicores(limit)
+    # The kernel takes no quota under 1 ms: a small share gets a longer period instead (at most 1 s).
+    period = min(MAX_PERIOD_US, max(period // WORK_PERIOD_SHARE, -(-MIN_QUOTA_US * 1000 // share)))
+    quota = max(MIN_QUOTA_US, share * period // 1000)
     if container.v1:
         (work.path / "cpu.cfs_period_us").write_text(str(period))
         (work.path / "cpu.cfs_quota_us").write_text(str(quota))
