@@ -19,6 +19,7 @@ from agent.version import __version__
 from probes import all_probes
 from probes.base import Finding, Probe, Status
 from probes.host.config import HostConfig
+from probes.runtime import cpulimit
 from probes.runtime.host import Host
 
 EXIT_READY, EXIT_NOT_READY, EXIT_USAGE = 0, 1, 2
@@ -190,6 +191,23 @@ def format_table(snapshot: Snapshot, only: tuple[str, ...] | None) -> str:
     return "\n".join(lines)
 
 
+def cpu_line(status: dict[str, Any]) -> str:
+    """The container's CPU limit and how often it stopped the agent (and the probes' work cgroup)."""
+    limit = status.get("limit_millicores")
+    if limit is None:
+        return "cpu: no CPU limit"
+    parts = [f"cpu: limit {limit}m"]
+    for name, what in (("container", "agent's cgroup"), ("work", "children's work cgroup")):
+        counters = status.get(name)
+        if counters:
+            share = f" ({status['work_millicores']}m)" if name == "work" and status.get("work_millicores") else ""
+            parts.append(
+                f"{what}{share} throttled in {counters['throttled_periods']} of {counters['periods']} periods "
+                f"({counters['throttled_seconds']:g} s)"
+            )
+    return "; ".join(parts)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     probe_classes = all_probes()
     config = load_config(args.config, probe_classes)
@@ -202,9 +220,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             document["findings"] = [f for f in document["findings"] if matches_any(f["check"], only)]
             document["ready"] = verdict.ready
             document["reasons"] = [r for r in document["reasons"] if matches_any(r["check"], only)]
+        document["cpu"] = cpulimit.observe().status()
         print(json.dumps(document, indent=2))
     else:
         print(format_table(snapshot, only))
+        print(cpu_line(cpulimit.observe().status()))
     return EXIT_READY if verdict.ready else EXIT_NOT_READY
 
 

@@ -31,9 +31,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 WORK = "work"
 SERVER = "server"
 MODES = ("quota", "weight", "off")
-# What the agent itself keeps of the limit: its HTTP loop, the probes' own threads, reading the scanners' frames.
-SERVER_HEADROOM_MILLICORES = 100
-SERVER_HEADROOM_SHARE = 0.3
+# What the agent itself keeps of the limit: its HTTP loop, the probes' own threads, reading the scanners' frames
+# (about 10m on average on a busy node; a /ready costs well under a millisecond). The rest goes to the children:
+# a holder scan's time is its CPU (about 0.8 s at 110,000 fds) divided by their share, against an 8 s deadline.
+SERVER_HEADROOM_MILLICORES = 50
+SERVER_HEADROOM_SHARE = 0.2
 WORK_FLOOR_SHARE = 0.25  # below a limit the headroom cannot leave room in, the children still get this much
 
 # A fifth of the container's period: any container period then overlaps at most six of the work cgroup's, so
@@ -121,8 +123,9 @@ def own_cgroup(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cg
     for candidate in (base / relative, base) if relative else (base,):
         group = CpuCgroup(candidate, v1)
         if pid in group.procs():
-            # On v2 a confined agent is in the `server` leaf; the container's limit is on its parent.
-            if not v1 and candidate.name == SERVER and _work_procs is not None:
+            # On v2 a confined agent (and what `kubectl exec` starts beside it) is in the `server` leaf; the
+            # container's limit is on its parent.
+            if not v1 and candidate.name == SERVER and (candidate.parent / WORK).is_dir():
                 return CpuCgroup(candidate.parent, v1)
             return group
     return None
@@ -168,9 +171,14 @@ class Confinement:
 
 
 def observe() -> Confinement:
-    """The container's cgroup as it is, with no work cgroup (tests, `check`)."""
+    """The container's cgroup as it is, and the work cgroup where the agent made one (`check` beside it)."""
     container = own_cgroup()
-    return Confinement(container, None, "off", "" if container is not None else "no cpu cgroup found")
+    if container is None:
+        return Confinement(None, None, "off", "no cpu cgroup found")
+    work = container.child(WORK)
+    if not work.path.is_dir():
+        return Confinement(container, None, "off", "no work cgroup")
+    return Confinement(container, work, "quota" if work.millicores() is not None else "weight")
 
 
 def confine(mode: str | None = None) -> Confinement:

@@ -100,12 +100,12 @@ def host_run() -> tuple[list[Finding], list[Sample]]:
 
 
 def cpu_cgroups(root: Path) -> Confinement:
-    """A 500m container that was throttled in 3 of 600 periods, its work cgroup (350m) in 240 of 3000."""
+    """A 500m container that was throttled in 3 of 600 periods, its work cgroup (400m) in 240 of 3000."""
     container, work = CpuCgroup(root, v1=False), CpuCgroup(root / "work", v1=False)
     work.path.mkdir(parents=True)
     (root / "cpu.max").write_text("50000 100000\n")
     (root / "cpu.stat").write_text("usage_usec 30000000\nnr_periods 600\nnr_throttled 3\nthrottled_usec 41000\n")
-    (work.path / "cpu.max").write_text("7000 20000\n")
+    (work.path / "cpu.max").write_text("8000 20000\n")
     (work.path / "cpu.stat").write_text(
         "usage_usec 20000000\nnr_periods 3000\nnr_throttled 240\nthrottled_usec 2400000\n"
     )

@@ -98,12 +98,12 @@ def test_under_a_quota_the_childrens_cpu_stays_in_the_work_cgroup_and_never_thro
     with scan_quota.CpuQuota(LIMIT) as quota:
         confined = run_agent_like(quota, "quota")
     work = f"{quota.path.name}/{cpulimit.WORK}"
-    assert confined["status"]["mode"] == "quota" and confined["status"]["work_millicores"] == 25, confined
+    assert confined["status"]["mode"] == "quota" and confined["status"]["work_millicores"] == 50, confined
     lines = str(confined["tool"]).splitlines()
     assert len(lines) == 2 and all(work in line for line in lines), confined  # the tool and what it forked
     assert work in str(confined["child"]), confined
     assert confined["scan_complete"] and len(confined["seen_in_work"]) >= 3, confined  # scanners were there too
-    # 0.3 CPU-seconds of children against a 25m quota: the work cgroup waits for its refills, hundreds of times...
+    # 0.3 CPU-seconds of children against a 50m quota: the work cgroup waits for its refills, hundreds of times...
     assert confined["throttled"]["work"] >= STOPPED, confined
     # ...and the agent's cgroup, where the HTTP loop runs, is not stopped by the children's use. (A stray period
     # is CFS's slice accounting at a 10 ms quota: one CPU's 5 ms slice can leave the other short; without the
@@ -124,10 +124,11 @@ def test_without_the_work_cgroup_the_same_children_throttle_the_agent() -> None:
 
 
 def test_the_work_share_leaves_the_server_its_headroom() -> None:
-    assert work_millicores(500) == 350  # 150m (30%) for the server
-    assert work_millicores(250) == 150  # at least 100m for the server
-    assert work_millicores(100) == 25  # the floor: a quarter, so the children still move
-    assert work_millicores(2000) == 1400
+    assert work_millicores(500) == 400  # 100m (20%) for the server
+    assert work_millicores(250) == 200  # at least 50m for the server
+    assert work_millicores(100) == 50
+    assert work_millicores(40) == 10  # the floor: a quarter, so the children still move
+    assert work_millicores(2000) == 1600
 
 
 def write(path: Path, text: str) -> None:
