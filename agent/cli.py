@@ -173,7 +173,7 @@ def _verdict_line(node: str, ready: bool, blocking: int, counts: dict[Status, in
     return f"node {node if len(node) <= room else node[: room - 3] + '...'}: {verdict}"
 
 
-def format_table(snapshot: Snapshot, only: tuple[str, ...] | None) -> str:
+def format_table(snapshot: Snapshot, only: tuple[str, ...] | None, cpu: str = "") -> str:
     verdict = verdict_of(snapshot, only)
     findings = [s.finding for s in snapshot.checks if not only or matches_any(s.finding.check, only)]
     findings.sort(key=lambda f: SEVERITY[f.status])  # stable: the snapshot's order within a status
@@ -187,6 +187,8 @@ def format_table(snapshot: Snapshot, only: tuple[str, ...] | None) -> str:
     for finding in findings:
         lines.extend(_table_row(finding, widths))
     counts = {status: sum(1 for f in findings if f.status == status) for status in SEVERITY}
+    if cpu:
+        lines += ["", cpu]
     lines += ["", _verdict_line(snapshot.node, verdict.ready, len(verdict.reasons), counts)]
     return "\n".join(lines)
 
@@ -223,8 +225,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         document["cpu"] = cpulimit.observe().status()
         print(json.dumps(document, indent=2))
     else:
-        print(format_table(snapshot, only))
-        print(cpu_line(cpulimit.observe().status()))
+        print(format_table(snapshot, only, cpu_line(cpulimit.observe().status())))
     return EXIT_READY if verdict.ready else EXIT_NOT_READY
 
 

@@ -99,7 +99,7 @@ def test_check_table_json_and_exit_codes(tmp_path: Path) -> None:
     result = run_cli("check", "--config", ok_cfg, "--only", "host")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "READY" in result.stdout and "host.memory" in result.stdout
-    assert result.stdout.splitlines()[-1].startswith("cpu: ")  # the container's limit and throttling
+    assert result.stdout.splitlines()[-3].startswith("cpu: ")  # the container's limit and throttling
 
     bad_cfg = write(tmp_path, "host: {memory: {min_available_mib: 100000000}}\n", "bad.yaml")
     result = run_cli("check", "--config", bad_cfg, "--only", "host.memory", "--json")
