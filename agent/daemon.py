@@ -213,6 +213,7 @@ class Agent:
         if self.http.metrics_port is not None:
             routes = ", ".join(self.http.metrics_routes)
             log.info("serving on %s:%d %s", self.config.http.address, self.http.metrics_port, routes)
+        self._log_cpu()
         self.scheduler.start()
         if self.config.kubernetes.enabled and not self.no_kube:
             from agent.kube import KubeAgent  # the kubernetes client is heavy: only when used
@@ -222,6 +223,14 @@ class Agent:
             self.kube = KubeAgent(self.config, self.config.resolved_node_name, self.state.current)
             self.kube.start()
             self.scheduler.pods = self.kube.pods  # the node's pods, for the checks against the device ledger
+
+    def _log_cpu(self) -> None:
+        cpu = self.cpu
+        if cpu.work is not None:
+            share = f"{cpu.work_millicores()}m of the {cpu.limit_millicores()}m limit"
+            log.info("probes' children run in %s (%s, %s)", cpu.work.path, cpu.mode, share)
+        else:
+            log.info("probes' children share the agent's cgroup: %s", cpu.why or "no work cgroup")
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
@@ -332,16 +341,6 @@ def run_daemon(config_path: str | None, config: Config, no_kube: bool) -> int:
     raise_fd_limit()
     limit_malloc_arenas()
     cpu = cpulimit.confine()  # before the first child: every later one runs in the work cgroup
-    if cpu.work is not None:
-        log.info(
-            "probes' children run in %s (%s, %sm of the %sm limit)",
-            cpu.work.path,
-            cpu.mode,
-            cpu.work_millicores(),
-            cpu.limit_millicores(),
-        )
-    else:
-        log.info("probes' children share the agent's cgroup: %s", cpu.why)
     agent = Agent(config_path, config, no_kube=no_kube, cpu=cpu)
     agent.install_signal_handlers()
     try:
