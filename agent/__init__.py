@@ -8,7 +8,8 @@
 - `scheduler`: each probe on its own interval, in its own thread, under a deadline.
 - `state`: the health state (hysteresis, fail-closed rules, freshness); `snapshot`: the immutable Snapshot it
   publishes; `ready`: selectors and the readiness verdict; `reasons`: the agent's own reasons.
-- `metrics`: Prometheus exposition of a snapshot; `logs`: plain or JSON logging and the health history; `timestamps`: RFC 3339.
+- `metrics`: Prometheus exposition of a snapshot; `logs`: plain or JSON logging and the health history;
+  `timestamps`: RFC 3339.
 - `reference`: the reason reference generated from the declarations; `version`: the release.
 - `http/`: the HTTP wing; `kube/`: the Kubernetes side (its node and devices wings, the operator's commands).
 """

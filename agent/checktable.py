@@ -169,9 +169,10 @@ def format_table(
     blocking: int,
     style: Style = Style(),
     problems_only: bool = False,
+    cpu: str = "",
 ) -> str:
-    """The table of `findings` worst first, then a blank line and the verdict (which counts every finding, also
-    those `problems_only` leaves out)."""
+    """The table of `findings` worst first, then a blank line, the `cpu` line when given, and the verdict (which
+    counts every finding, also those `problems_only` leaves out)."""
     ordered = sorted(findings, key=lambda f: SEVERITY[f.status])  # stable: the snapshot's order within a status
     shown = [f for f in ordered if f.status in PROBLEMS] if problems_only else ordered
     cols = _columns(shown, style.width)
@@ -183,5 +184,7 @@ def format_table(
     counts = {status: sum(1 for f in findings if f.status == status) for status in SEVERITY}
     if lines:
         lines.append("")
+    if cpu:
+        lines += [cpu[: style.width], ""]
     lines += verdict_lines(node, ready, blocking, counts, style)
     return "\n".join(lines)

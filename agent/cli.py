@@ -20,6 +20,7 @@ from agent.version import __version__
 from probes import all_probes
 from probes.base import Probe
 from probes.host.config import HostConfig
+from probes.runtime import cpulimit
 from probes.runtime.host import Host
 from probes.text import clip, escape
 
@@ -162,6 +163,23 @@ def verdict_of(snapshot: Snapshot, only: tuple[str, ...] | None) -> Verdict:
     return judge(snapshot, ReadyQuery(checks=only)) if only else snapshot.verdict
 
 
+def cpu_line(status: dict[str, Any]) -> str:
+    """The container's CPU limit and how often it stopped the agent (and the probes' work cgroup)."""
+    limit = status.get("limit_millicores")
+    if limit is None:
+        return "cpu: no CPU limit"
+    parts = [f"cpu: limit {limit}m"]
+    for name, what in (("container", "agent's cgroup"), ("work", "children's work cgroup")):
+        counters = status.get(name)
+        if counters:
+            share = f" ({status['work_millicores']}m)" if name == "work" and status.get("work_millicores") else ""
+            parts.append(
+                f"{what}{share} throttled in {counters['throttled_periods']} of {counters['periods']} periods "
+                f"({counters['throttled_seconds']:g} s)"
+            )
+    return "; ".join(parts)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     probe_classes = all_probes()
     config = load_config(args.config, probe_classes)
@@ -174,11 +192,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             document["findings"] = [f for f in document["findings"] if matches_any(f["check"], only)]
             document["ready"] = verdict.ready
             document["reasons"] = [r for r in document["reasons"] if matches_any(r["check"], only)]
+        document["cpu"] = cpulimit.observe().status()
         print(json.dumps(document, indent=2))
     else:
         findings = [s.finding for s in snapshot.checks if not only or matches_any(s.finding.check, only)]
         style = terminal_style(sys.stdout)
-        print(format_table(snapshot.node, findings, verdict.ready, len(verdict.reasons), style, args.problems))
+        cpu = cpu_line(cpulimit.observe().status())
+        print(format_table(snapshot.node, findings, verdict.ready, len(verdict.reasons), style, args.problems, cpu))
     return EXIT_READY if verdict.ready else EXIT_NOT_READY
 
 

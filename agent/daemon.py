@@ -24,6 +24,7 @@ from agent.version import __version__
 from probes import all_probes
 from probes.base import Probe, Sample
 from probes.host.config import HostConfig
+from probes.runtime import cpulimit
 from probes.runtime.host import Host
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,11 @@ class Agent:
         config: Config,
         no_kube: bool = False,
         probe_classes: dict[str, type[Probe]] | None = None,
+        cpu: cpulimit.Confinement | None = None,
     ) -> None:
         self.config_path = config_path
+        # The container's CPU limit and the work cgroup the probes' children run in (run_daemon confines).
+        self.cpu = cpu if cpu is not None else cpulimit.observe()
         self.config = config
         self.no_kube = no_kube
         self.probe_classes = probe_classes if probe_classes is not None else all_probes()
@@ -165,6 +169,7 @@ class Agent:
                 "config_warnings": self.config_notes.warnings(),
             },
         }
+        extra["cpu"] = self.cpu.status()
         if self.kube is not None:
             extra["kubernetes"] = self.kube.status()
         return extra
@@ -188,6 +193,7 @@ class Agent:
                 len(self.host.children.in_flight()),
             )
         )
+        samples.extend(cpu_samples(self.cpu))
         if self.kube is not None:
             samples.extend(self.kube.samples())
         return samples
@@ -212,6 +218,7 @@ class Agent:
         if self.http.metrics_port is not None:
             routes = ", ".join(self.http.metrics_routes)
             log.info("serving on %s:%d %s", self.config.http.address, self.http.metrics_port, routes)
+        self._log_cpu()
         self.scheduler.start()
         if self.config.kubernetes.enabled and not self.no_kube:
             from agent.kube import KubeAgent  # the kubernetes client is heavy: only when used
@@ -221,6 +228,14 @@ class Agent:
             self.kube = KubeAgent(self.config, self.config.resolved_node_name, self.state.current)
             self.kube.start()
             self.pods.connect(self.kube.pods)
+
+    def _log_cpu(self) -> None:
+        cpu = self.cpu
+        if cpu.work is not None:
+            share = f"{cpu.work_millicores()}m of the {cpu.limit_millicores()}m limit"
+            log.info("probes' children run in %s (%s, %s)", cpu.work.path, cpu.mode, share)
+        else:
+            log.info("probes' children share the agent's cgroup: %s", cpu.why or "no work cgroup")
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
@@ -287,10 +302,51 @@ class Agent:
         self.http.stop(timeout=max(0.1, deadline - time.monotonic()))
 
 
+def cpu_samples(cpu: cpulimit.Confinement) -> list[Sample]:
+    """The container's CFS counters (and the work cgroup's, where the probes' children run in one): throttled
+    periods stop every thread of the cgroup, the HTTP loop's included when it is the container's."""
+    samples = []
+    for name, group in (("container", cpu.container), (cpulimit.WORK, cpu.work)):
+        if group is None:
+            continue
+        stat, labels, limit = group.stat(), {"cgroup": name}, group.millicores()
+        samples += [
+            Sample(
+                "nodehealth_cpu_periods_total",
+                "CFS periods with runnable tasks, by cgroup.",
+                stat.periods,
+                labels,
+                "counter",
+            ),
+            Sample(
+                "nodehealth_cpu_throttled_periods_total",
+                "CFS periods in which the cgroup used up its CPU quota and was stopped until the next one.",
+                stat.throttled_periods,
+                labels,
+                "counter",
+            ),
+            Sample(
+                "nodehealth_cpu_throttled_seconds_total",
+                "Seconds the cgroup's threads were stopped by its CPU quota.",
+                stat.throttled_seconds,
+                labels,
+                "counter",
+            ),
+            Sample(
+                "nodehealth_cpu_limit_cores",
+                "The cgroup's CPU quota in cores; 0 when it has none.",
+                (limit or 0) / 1000,
+                labels,
+            ),
+        ]
+    return samples
+
+
 def run_daemon(config_path: str | None, config: Config, no_kube: bool) -> int:
     raise_fd_limit()
     limit_malloc_arenas()
-    agent = Agent(config_path, config, no_kube=no_kube)
+    cpu = cpulimit.confine()  # before the first child: every later one runs in the work cgroup
+    agent = Agent(config_path, config, no_kube=no_kube, cpu=cpu)
     agent.install_signal_handlers()
     try:
         agent.start()

@@ -15,7 +15,9 @@ mknod'ed copy of davinci0 outside any pod. npu-smi is tests/support/fake_npu_smi
 Per limit it prints the scan's seconds against the deadline the probe gave it, the probe's seconds against
 its timeout, the CPU the run took, and whether the scan was complete and found the planted holder. With
 `--rivals N`, N more whole-/proc scans run beside each probe run in the same cgroup, as the gpu probe's and
-network.ports' do in the agent. Results: benchmarks/results/scan_quota.json.
+network.ports' do in the agent. The process confines its children as the agent does (probes/runtime/cpulimit.py:
+the scanners in a work cgroup with the limit less the server's headroom; NODE_HEALTH_CPU_CONFINE=off for the
+old way). Results: benchmarks/results/scan_quota.json.
 Needs root (cgroups, mknod). Every spawned process is killed and reaped, every cgroup removed.
 """
 
@@ -120,11 +122,17 @@ class CpuQuota:
     ) -> None:
         deadline = time.monotonic() + 10
         while True:
-            with contextlib.suppress(OSError):
-                for pid in self.procs.read_text().split():  # a scanner still exiting: back to the parent
-                    with contextlib.suppress(OSError):
-                        (self.parent / "cgroup.procs").write_text(pid)
+            # The agent's own work and server cgroups (probes/runtime/cpulimit.py) first, then this one.
+            nested = sorted((p for p in self.path.iterdir() if p.is_dir()), key=lambda p: -len(p.parts))
+            for group in [*nested, self.path]:
+                with contextlib.suppress(OSError):
+                    for pid in (group / "cgroup.procs").read_text().split():  # still exiting: back to the root
+                        with contextlib.suppress(OSError):
+                            (self.parent / "cgroup.procs").write_text(pid)
             try:
+                for group in nested:
+                    with contextlib.suppress(FileNotFoundError):
+                        group.rmdir()
                 self.path.rmdir()
                 return
             except FileNotFoundError:
@@ -217,6 +225,7 @@ def probe_child(procs: str, dev: str, spec: str, repeat: int, rivals: int) -> No
     from agent.scheduler import execute
     from probes.npu.config import NpuConfig
     from probes.npu.npu import NpuProbe
+    from probes.runtime import cpulimit
     from probes.runtime.host import Host
 
     config = parse_config({"npu": {"smi_command": [sys.executable, str(FAKE_SMI), spec]}})
@@ -224,6 +233,7 @@ def probe_child(procs: str, dev: str, spec: str, repeat: int, rivals: int) -> No
     host = Host(dev=dev)
     probe = NpuProbe()  # one instance for every run, as in the agent (it caches `npu-smi info -m`)
     Path(procs).write_text(str(os.getpid()))
+    confinement = cpulimit.confine()  # as run_daemon does: the scanners in the work cgroup (NODE_HEALTH_CPU_CONFINE)
     runs = []
     for _ in range(repeat):
         deadline = probe.scan_deadline(config.section(NpuConfig), probe_timeout)  # the scan runs first
@@ -237,6 +247,7 @@ def probe_child(procs: str, dev: str, spec: str, repeat: int, rivals: int) -> No
         run = summarize(result, [f.to_dict() for f in findings])
         run.update(probe_seconds=round(seconds, 3), probe_timeout=probe_timeout, scan_deadline=round(deadline, 3))
         run["cpu_seconds"] = round(_cpu_seconds() - before, 3)
+        run["confinement"] = confinement.status()
         runs.append(run)
     print(json.dumps(runs))
 
@@ -274,6 +285,7 @@ def summarize(result: str, findings: list[dict[str, Any]]) -> dict[str, Any]:
         "processes_scanned": observed.get("processes_scanned"),
         "unscanned": observed.get("unscanned", 0),
         "node_wide": [node_wide.get("status"), node_wide.get("reason")],
+        "message": node_wide.get("message", ""),
         "held": {
             f["observed"]["device_node"]: {
                 "status": f["status"],

@@ -5,6 +5,8 @@
   and host paths joined under them without `..` climbing out.
 - `commands`: host commands with a hard deadline and a cap on their output.
 - `children`: filesystem calls in forked children with a deadline, at most one in flight per key.
+- `cpulimit`: the container's CPU limit and throttling counters, and the `work` cgroup every child of the
+  probes joins between fork and exec, so their use never throttles the agent's HTTP loop.
 - `procfs`: /proc reading (process info, cgroup → pod classification, device numbers); `procstat`: the one
   /proc/PID/stat parser.
 - `fdscan`: the /proc/*/fd scan, in forked scanners that a hung filesystem cannot block; `fdtable`: what a

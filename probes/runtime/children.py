@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from probes.runtime.cpulimit import enter_work
+
 
 @dataclass(frozen=True)
 class ChildResult:
@@ -117,6 +119,7 @@ class ChildCalls:
 def _child_main(read_fd: int, write_fd: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     status = 0
     try:
+        enter_work()  # the children's cgroup, never the agent's quota (probes.runtime.cpulimit)
         os.close(read_fd)
         drop_inherited_fds(write_fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from probes.runtime.cpulimit import preexec
+
 
 @dataclass(frozen=True)
 class CommandResult:
@@ -234,6 +236,7 @@ def _start(
             stderr=subprocess.PIPE,
             start_new_session=True,
             env=env,
+            preexec_fn=preexec(),  # into the work cgroup before exec (probes.runtime.cpulimit)
         )
     except (FileNotFoundError, NotADirectoryError) as exc:
         return CommandResult(argv, None, "", str(exc), time.monotonic() - started, not_found=True)

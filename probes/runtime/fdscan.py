@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from probes.runtime.children import drop_inherited_fds, try_reap
+from probes.runtime.cpulimit import enter_work
 from probes.runtime.fdtable import PROGRESS, STATX_AVAILABLE, ProcessTexts, ScanRequest, list_pids, scan_fds
 
 if TYPE_CHECKING:
@@ -342,6 +343,7 @@ def _scanner_main(  # pragma: no cover - runs in the forked scanner
     """The forked scanner: only `os`, `struct`, `pickle` and the preloaded statx; no logging, no locks."""
     status = 0
     try:
+        enter_work()  # the children's cgroup, never the agent's quota (probes.runtime.cpulimit)
         os.close(read_fd)
         drop_inherited_fds(write_fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

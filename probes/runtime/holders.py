@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from probes.runtime.cpulimit import limit_note
 from probes.runtime.fdscan import shortfall
 from probes.runtime.procfs import (
     CgroupOwner,
@@ -282,7 +283,11 @@ class HolderScan:
 
     def shortfall(self) -> str:
         """What was not seen, for messages; "" when the scan is complete."""
-        return self.error or shortfall(self.unreadable, self.unscanned)
+        if self.error:
+            return self.error
+        missed = shortfall(self.unreadable, self.unscanned)
+        note = limit_note() if self.unscanned else ""  # a deadline missed for want of CPU names the limit
+        return f"{missed} {note}" if note else missed
 
     def observed(self) -> dict[str, Any]:
         out: dict[str, Any] = {

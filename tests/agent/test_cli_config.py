@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.cli import main
+from agent.cli import cpu_line, main
 from agent.config import default_config, parse_config
 from probes import all_probes
 
@@ -99,6 +99,7 @@ def test_check_table_json_and_exit_codes(tmp_path: Path) -> None:
     result = run_cli("check", "--config", ok_cfg, "--only", "host")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "READY" in result.stdout and "host.memory" in result.stdout
+    assert result.stdout.splitlines()[-3].startswith("cpu: ")  # the container's limit and throttling
 
     bad_cfg = write(tmp_path, "host: {memory: {min_available_mib: 100000000}}\n", "bad.yaml")
     result = run_cli("check", "--config", bad_cfg, "--only", "host.memory", "--json")
@@ -111,6 +112,7 @@ def test_check_table_json_and_exit_codes(tmp_path: Path) -> None:
     assert finding["reason"] == "HostMemoryLow" and finding["hint"]
     assert {p["name"] for p in doc["probes"]} == {"host"}
     assert all(set(p) >= {"name", "last_run", "duration_seconds", "result"} for p in doc["probes"])
+    assert doc["cpu"]["mode"] in ("quota", "weight", "off") and "limit_millicores" in doc["cpu"]
 
     result = run_cli("check", "--only", "nosuch")
     assert result.returncode == 2 and "nosuch" in result.stderr
@@ -209,3 +211,18 @@ def test_json_logs(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+def test_check_shows_the_limit_and_both_cgroups_throttling() -> None:
+    assert cpu_line({"mode": "off", "limit_millicores": None}) == "cpu: no CPU limit"
+    status = {
+        "mode": "quota",
+        "limit_millicores": 500,
+        "work_millicores": 400,
+        "container": {"periods": 600, "throttled_periods": 3, "throttled_seconds": 0.041},
+        "work": {"periods": 3000, "throttled_periods": 240, "throttled_seconds": 2.4},
+    }
+    assert cpu_line(status) == (
+        "cpu: limit 500m; agent's cgroup throttled in 3 of 600 periods (0.041 s); "
+        "children's work cgroup (400m) throttled in 240 of 3000 periods (2.4 s)"
+    )

@@ -3,9 +3,11 @@
 The node is the agent itself (`Agent`, without Kubernetes) with every probe configured; its state is fed what
 the probes' own parsers and builders make of captured tool output (an Ascend 910B1 and an A100 node's
 fixtures), of a /proc/meminfo, a statvfs, a PCIe link and an adjtimex result, plus a failing DNS check, a probe
-that timed out and one that raised; the other checks are still warming up. The exposition is what /metrics
-serves (`Agent.metrics.render()`), with two things taken out because no run repeats them: the agent's process
-metrics (CPU, memory, fds) and the wall-clock value of each `*_timestamp_seconds` sample.
+that timed out and one that raised; the other checks are still warming up. Its CPU cgroup is a 500m container
+with a work cgroup for the probes' children, read from cgroup v2 files the test writes (`cpu_cgroups`).
+The exposition is what /metrics serves (`Agent.metrics.render()`), with two things taken out because no run
+repeats them: the agent's process metrics (CPU, memory, fds) and the wall-clock value of each
+`*_timestamp_seconds` sample.
 
 Regenerate after an intended change, then review the diff of tests/data/metrics.golden.txt:
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import tempfile
+from pathlib import Path
 
 from support.system import REPO
 
@@ -40,6 +44,7 @@ from probes.npu.metrics import chip_samples
 from probes.npu.reasons import SMI
 from probes.pcie.pcie import AER, LINK, link_samples
 from probes.pcie.sysfs import LinkState
+from probes.runtime.cpulimit import Confinement, CpuCgroup
 from probes.storage.config import SpaceSpec
 from probes.storage.space import space_finding, space_samples
 from probes.time.kernel_clock import KernelClock
@@ -94,9 +99,23 @@ def host_run() -> tuple[list[Finding], list[Sample]]:
     return memory_findings(meminfo, HostMemoryConfig()), memory_samples(meminfo)
 
 
-def fake_node() -> Agent:
+def cpu_cgroups(root: Path) -> Confinement:
+    """A 500m container that was throttled in 3 of 600 periods, its work cgroup (400m) in 240 of 3000."""
+    container, work = CpuCgroup(root, v1=False), CpuCgroup(root / "work", v1=False)
+    work.path.mkdir(parents=True)
+    (root / "cpu.max").write_text("50000 100000\n")
+    (root / "cpu.stat").write_text("usage_usec 30000000\nnr_periods 600\nnr_throttled 3\nthrottled_usec 41000\n")
+    (work.path / "cpu.max").write_text("8000 20000\n")
+    (work.path / "cpu.stat").write_text(
+        "usage_usec 20000000\nnr_periods 3000\nnr_throttled 240\nthrottled_usec 2400000\n"
+    )
+    return Confinement(container, work, "quota")
+
+
+def fake_node(cpu: Confinement) -> Agent:
     """The agent of a fake node, fed one run of each probe the docstring names."""
-    agent = Agent(None, parse_config({"node_name": "golden-node"}), no_kube=True, probe_classes=all_probes())
+    config = parse_config({"node_name": "golden-node"})
+    agent = Agent(None, config, no_kube=True, probe_classes=all_probes(), cpu=cpu)
     state = agent.state
     for probe, (findings, samples) in (("npu", npu_run()), ("gpu", gpu_run()), ("host", host_run())):
         state.record(probe, findings, samples, duration=0.25)
@@ -116,7 +135,9 @@ def fake_node() -> Agent:
 
 def exposition() -> str:
     lines = []
-    for line in fake_node().metrics.render().decode().splitlines():
+    with tempfile.TemporaryDirectory() as cgroups:
+        rendered = fake_node(cpu_cgroups(Path(cgroups))).metrics.render().decode()
+    for line in rendered.splitlines():
         if PROCESS_METRIC.match(line):
             continue
         lines.append(TIMESTAMP_SAMPLE.sub(rf"\1 {FIXED_TIMESTAMP}", line))

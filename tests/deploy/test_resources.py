@@ -196,3 +196,21 @@ def test_npu_holder_scan_completes_under_the_daemonsets_cpu_limit(tmp_path: Path
         assert farm.holder_pid in held.get("pids", []), run
         assert (held["status"], held["reason"]) == ("fail", "NpuHeldOutOfBand"), run
         assert run["node_wide"] == ["ok", "OK"], run  # nothing unread, nothing else outside a pod
+        assert run["confinement"]["mode"] == "quota", run  # the scanners ran in the work cgroup, as in the agent
+
+
+@pytest.mark.system
+def test_a_scan_the_limit_cannot_fit_is_unknown_and_names_the_limit(tmp_path: Path) -> None:
+    """At 100m the scanners get 50m (probes/runtime/cpulimit.py): 2,000 processes x 50 fds do not fit in the
+    deadline. The scan is reported unknown with the limit in its message, never complete, never ok."""
+    require_root()
+    why_not = scan_quota.cgroup_support()
+    require(not why_not, f"a cgroup with a CPU quota ({why_not})")
+    dev, spec = scan_quota.prepare_npu_node(tmp_path / "node")
+    with scan_quota.HolderFarm(tmp_path / "farm", PROCESSES, FDS), scan_quota.CpuQuota(100) as quota:
+        (run,) = scan_quota.run_npu_probe(quota, dev, spec, repeat=1)
+        work = quota.path / "work"
+        assert (work / "cgroup.procs").is_file(), "the probe's process made its work cgroup"
+    assert not run["complete"] and run["unscanned"] > 0, run
+    assert run["node_wide"] == ["unknown", "NpuHolderScanFailed"], run
+    assert "CPU limit of 100m, 50m of it for the probes' children" in run["message"], run

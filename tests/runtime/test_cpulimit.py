@@ -1,0 +1,186 @@
+"""The work cgroup (probes/runtime/cpulimit.py): under a CPU limit the probes' children run in a child cgroup with
+the limit less the server's headroom, so their use never throttles the agent's own cgroup, where its HTTP loop
+runs. The system test runs a process like the agent inside a real cgroup with a 100m quota, has it start a
+CPU-bound host tool (which forks), a forked filesystem call and a /proc fd scan, and reads the kernel's CFS
+counters; the same work with the mechanism off throttles the agent's cgroup, so the check can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from support.system import REPO, require, require_root
+
+from probes.runtime import cpulimit
+from probes.runtime.cpulimit import Confinement, CpuCgroup, own_cgroup, work_millicores
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import scan_quota  # its CpuQuota makes and removes the cgroup
+
+AGENT = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    CPU_LINE = 'lambda text: next((l for l in text.splitlines() if "cpu" in l.split(":")[1].split(",")), '
+    CPU_LINE += 'next(l for l in text.splitlines() if l.startswith("0::")))'
+    from probes.runtime import cpulimit
+    from probes.runtime.children import ChildCalls
+    from probes.runtime.commands import run_command
+    from probes.runtime.host import Host
+    from probes.runtime.procfs import scan_open_files
+
+    cpu_line = eval(CPU_LINE)  # the cpu controller's line of /proc/self/cgroup (v1), else the unified one (v2)
+
+    confinement = cpulimit.confine(sys.argv[1])
+    groups = {"container": confinement.container, "work": confinement.work}
+    seen_in_work, stop = set(), threading.Event()
+
+    def watch():
+        while not stop.wait(0.01):
+            if confinement.work is not None:
+                seen_in_work.update(confinement.work.procs())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    before = {name: g.stat() for name, g in groups.items() if g is not None}
+    burn = "import os, sys, time\\nforked = os.fork()\\nend = time.process_time() + 0.15\\n"
+    burn += "while time.process_time() < end: pass\\nforked and os.waitpid(forked, 0)\\n"
+    burn += "print(CPU_LINE(open('/proc/self/cgroup').read()), flush=True)"
+    burn = burn.replace("CPU_LINE", "(" + CPU_LINE + ")")
+    tool = run_command([sys.executable, "-c", burn], timeout=120)
+    child = ChildCalls().call("cgroup", lambda: cpu_line(open("/proc/self/cgroup").read()), timeout=60)
+    after = {name: g.stat() for name, g in groups.items() if g is not None}
+    # The scan's parent side (reading and unpickling the scanners' frames) is the agent's own work: only
+    # where its scanners ran is asserted.
+    scan = scan_open_files(Host(), rdevs={os.makedev(240, 0)}, timeout=120, key="test")
+    stop.set()
+    watcher.join()
+    print(json.dumps({
+        "status": confinement.status(),
+        "tool": tool.stdout, "tool_exit": tool.returncode, "child": child.value,
+        "scan_complete": scan.complete, "seen_in_work": sorted(seen_in_work),
+        "throttled": {n: after[n].throttled_periods - before[n].throttled_periods for n in after},
+        "periods": {n: after[n].periods - before[n].periods for n in after},
+    }))
+    """
+)
+
+
+# Small enough that two CPU-bound children exceed it however busy the machine is (two of them get more than 100m
+# of 2 cores unless some 40 other threads want the CPU), so both tests hold with both cores busy.
+LIMIT = 100
+STOPPED, STRAY = 5, 1  # throttled periods: the children held to a quota; what the agent's cgroup may see anyway
+
+
+def run_agent_like(quota: scan_quota.CpuQuota, mode: str) -> dict[str, object]:
+    procs = quota.procs
+    done = subprocess.run(
+        [sys.executable, "-c", AGENT, mode],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        preexec_fn=lambda: procs.write_text(str(os.getpid())),  # in the cgroup from its first instruction
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.system
+def test_under_a_quota_the_childrens_cpu_stays_in_the_work_cgroup_and_never_throttles_the_agents() -> None:
+    require_root()
+    why_not = scan_quota.cgroup_support()
+    require(not why_not, f"a cgroup with a CPU quota ({why_not})")
+    with scan_quota.CpuQuota(LIMIT) as quota:
+        confined = run_agent_like(quota, "quota")
+    work = f"{quota.path.name}/{cpulimit.WORK}"
+    assert confined["status"]["mode"] == "quota" and confined["status"]["work_millicores"] == 50, confined
+    lines = str(confined["tool"]).splitlines()
+    assert len(lines) == 2 and all(work in line for line in lines), confined  # the tool and what it forked
+    assert work in str(confined["child"]), confined
+    assert confined["scan_complete"] and len(confined["seen_in_work"]) >= 3, confined  # scanners were there too
+    # 0.3 CPU-seconds of children against a 50m quota: the work cgroup waits for its refills, hundreds of times...
+    assert confined["throttled"]["work"] >= STOPPED, confined
+    # ...and the agent's cgroup, where the HTTP loop runs, is not stopped by the children's use. (A stray period
+    # is CFS's slice accounting at a 10 ms quota: one CPU's 5 ms slice can leave the other short; without the
+    # work cgroup the same children stop it in dozens, the next test.)
+    assert confined["throttled"]["container"] <= STRAY, confined
+
+
+@pytest.mark.system
+def test_without_the_work_cgroup_the_same_children_throttle_the_agent() -> None:
+    """The control: the mechanism off, the same children spend the container's quota and stop the agent."""
+    require_root()
+    why_not = scan_quota.cgroup_support()
+    require(not why_not, f"a cgroup with a CPU quota ({why_not})")
+    with scan_quota.CpuQuota(LIMIT) as quota:
+        shared = run_agent_like(quota, "off")
+    assert shared["status"]["mode"] == "off" and "work" not in shared["status"], shared
+    assert shared["throttled"]["container"] >= STOPPED, shared
+
+
+def test_the_work_share_leaves_the_server_its_headroom() -> None:
+    assert work_millicores(500) == 400  # 100m (20%) for the server
+    assert work_millicores(250) == 200  # at least 50m for the server
+    assert work_millicores(100) == 50
+    assert work_millicores(40) == 10  # the floor: a quarter, so the children still move
+    assert work_millicores(2000) == 1600
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_own_cgroup_v1_and_v2_and_its_counters(tmp_path: Path) -> None:
+    """Read from the files the kernel would show (a v1 cpu hierarchy, and a v2 tree), as a container sees them."""
+    pid = str(os.getpid())
+    v1 = tmp_path / "v1"
+    write(v1 / "cpu" / "cpu.cfs_quota_us", "50000\n")
+    group = v1 / "cpu" / "kubepods" / "pod1" / "c1"
+    for name, text in (("cpu.cfs_quota_us", "25000"), ("cpu.cfs_period_us", "100000"), ("cgroup.procs", pid)):
+        write(group / name, text + "\n")
+    write(group / "cpu.stat", "nr_periods 40\nnr_throttled 7\nthrottled_time 1500000000\n")
+    write(tmp_path / "self-v1", "4:memory:/x\n3:cpu,cpuacct:/kubepods/pod1/c1\n0::/\n")
+    found = own_cgroup(v1, tmp_path / "self-v1")
+    assert found == CpuCgroup(group, v1=True)
+    assert found.millicores() == 250
+    assert (found.stat().periods, found.stat().throttled_periods, found.stat().throttled_seconds) == (40, 7, 1.5)
+
+    v2 = tmp_path / "v2"  # a cgroup namespace: /proc/self/cgroup says "/", the container's cgroup is the root
+    write(v2 / "cpu.max", "max 100000\n")
+    write(v2 / "cgroup.procs", pid + "\n")
+    write(v2 / "cpu.stat", "usage_usec 10\nnr_periods 0\nnr_throttled 0\nthrottled_usec 0\n")
+    write(tmp_path / "self-v2", "0::/\n")
+    found = own_cgroup(v2, tmp_path / "self-v2")
+    assert found == CpuCgroup(v2, v1=False) and found.millicores() is None
+
+
+def test_a_cgroup_that_does_not_list_this_process_is_not_taken(tmp_path: Path) -> None:
+    write(tmp_path / "cpu.max", "50000 100000\n")
+    write(tmp_path / "cgroup.procs", "1\n")
+    write(tmp_path / "self", "0::/\n")
+    assert own_cgroup(tmp_path, tmp_path / "self") is None
+
+
+def test_status_names_the_mode_the_limit_and_why_there_is_no_work_cgroup(tmp_path: Path) -> None:
+    write(tmp_path / "cpu.max", "50000 100000\n")
+    write(tmp_path / "cpu.stat", "nr_periods 10\nnr_throttled 2\nthrottled_usec 30000\n")
+    status = Confinement(CpuCgroup(tmp_path, v1=False), None, "off", "not root").status()
+    assert status == {
+        "mode": "off",
+        "limit_millicores": 500,
+        "why": "not root",
+        "container": {"periods": 10, "throttled_periods": 2, "throttled_seconds": 0.03},
+    }
+
+
+def test_no_work_cgroup_no_preexec() -> None:
+    """Without a work cgroup a host tool is spawned as before: no Python runs between fork and exec."""
+    cpulimit.release()
+    assert cpulimit.preexec() is None
+    cpulimit.enter_work()  # a no-op
