@@ -89,10 +89,10 @@ class EccProbe(Probe):
         out: ProbeOutput = []
         now = time.monotonic()
         for chip, text, error in chip_detail(ctx, settings, chips, "ecc"):
-            out.extend(self._judge(chip, text, error, settings, now))
+            out.extend(self.judge(chip, text, error, settings, now))
         return out
 
-    def _judge(
+    def judge(
         self, chip: ChipRef, text: str | None, error: str, settings: NpuConfig, now: float
     ) -> list[Finding | Sample]:
         observed: dict[str, Any] = chip.identity()
