@@ -52,8 +52,15 @@ class NpuConfig(Section):
     # Where the link-up baselines survive an agent restart: a writable directory of the agent's (the DaemonSet
     # mounts the host's /var/lib/node-health there); "" or unwritable: kept in memory, noted on npu.roce.flaps.
     state_dir: str = "/var/lib/node-health"
-    # Optical modules are read at most this often (each read is an I2C transaction per chip).
-    optical_interval_seconds: PositiveSeconds = 300.0
+    # Each verb is re-read when its last read is older than its interval (`link` every run); the last answer
+    # stands in between. Optical modules (an I2C transaction per chip) are the slowest read.
+    link_stat_interval_seconds: float = Field(240.0, ge=0)
+    net_health_interval_seconds: float = Field(240.0, ge=0)
+    address_interval_seconds: float = Field(600.0, ge=0)
+    optical_interval_seconds: float = Field(300.0, ge=0)
+    # hccn_tool calls per run at most, once every verb has been read (the first run reads them all): `link` of
+    # every chip first, then the most overdue reads; the rest waits for the next run (DESIGN: <= 32 per interval).
+    hccn_max_calls_per_run: int = Field(32, ge=1)
     # Optics thresholds; None: the module's own (its RxPower/TxPower Low/High Thres, Temp High Thres lines).
     optical_rx_power_min_mw: float | None = Field(None, ge=0)
     optical_tx_power_min_mw: float | None = Field(None, ge=0)

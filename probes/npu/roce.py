@@ -72,8 +72,8 @@ class RoceProbe(Probe):
     def __init__(self) -> None:
         self._chipmap = ChipMap()
         self._window: LinkWindow | None = None
-        self._optical: dict[int, tuple[Finding, list[Sample]]] = {}
-        self._optical_at = float("-inf")
+        self._calls: dict[tuple[int, str], tuple[Call, float]] = {}  # the last answer of each read, and when
+        self._flaps: dict[int, tuple[Finding, list[Sample]]] = {}
         self.spawned = 0  # hccn_tool children started by the last run (benchmarks/npu_links.py)
 
     def applicable(self, ctx: ProbeContext) -> str | None:
@@ -89,46 +89,58 @@ class RoceProbe(Probe):
         if not hccn_available(ctx, settings):
             return self._missing(ctx, settings, davinci)
         chips, note = self._chipmap.chips(ctx, davinci)
-        optics_due = time.monotonic() - self._optical_at >= settings.optical_interval_seconds or any(
-            c.physical_id not in self._optical for c in chips
-        )
-        verbs = (*VERBS, "optical") if optics_due else VERBS
+        now = time.monotonic()
         runner = Runner(ctx, settings)
-        calls = runner.run([(c.physical_id, v) for c in chips for v in verbs])
+        fresh = runner.run(self.due(settings, chips, now))
         self.spawned = runner.spawned
-        if any(call.kind == "not_installed" for call in calls.values()):
+        if any(call.kind == "not_installed" for call in fresh.values()):
             return self._missing(ctx, settings, davinci)
+        self._calls.update({key: (call, now) for key, call in fresh.items()})
+        calls = {
+            key: self._calls[key][0]
+            for c in chips
+            for v in (*VERBS, "optical")
+            if (key := (c.physical_id, v)) in self._calls
+        }
         out: ProbeOutput = []
-        out.extend(self._links(ctx, settings, chips, calls, note))
+        out.extend(self._links(ctx, settings, chips, calls, fresh, note))
         configured = self._hccn_conf(ctx, settings)
         for chip in chips:
             samples: list[Sample] = []
-            call = calls[(chip.physical_id, "net_health")]
-            out.append(self._net_health(chip, call, samples))
+            out.append(self._net_health(chip, calls[(chip.physical_id, "net_health")], samples))
             conf = configured.get(chip.physical_id) if configured is not None else None
             if configured is not None and conf is None:
                 conf = ConfiguredAddress(None, None, None)
-            out.append(
-                address_finding(
-                    chip,
-                    calls[(chip.physical_id, "ip")],
-                    calls.get((chip.physical_id, "gateway")),
-                    conf,
-                    settings.hccn_conf,
-                )
-            )
-            if optics_due:
-                optical: list[Sample] = []
-                self._optical[chip.physical_id] = (
-                    optical_finding(chip, calls[(chip.physical_id, "optical")], settings, optical),
-                    optical,
-                )
-            finding, optical_samples = self._optical[chip.physical_id]
-            out.append(finding)
-            out.extend(samples + optical_samples)
-        if optics_due:
-            self._optical_at = time.monotonic()
+            ip, gateway = calls[(chip.physical_id, "ip")], calls.get((chip.physical_id, "gateway"))
+            out.append(address_finding(chip, ip, gateway, conf, settings.hccn_conf))
+            out.append(optical_finding(chip, calls[(chip.physical_id, "optical")], settings, samples))
+            out.extend(samples)
         return out
+
+    def due(self, settings: NpuConfig, chips: tuple[ChipRef, ...], now: float) -> list[tuple[int, str]]:
+        """The reads of this run: every read never made, `link` of every chip, then the most overdue reads up to
+        npu.hccn_max_calls_per_run."""
+        intervals = {
+            "link": 0.0,
+            "link_stat": settings.link_stat_interval_seconds,
+            "net_health": settings.net_health_interval_seconds,
+            "ip": settings.address_interval_seconds,
+            "gateway": settings.address_interval_seconds,
+            "optical": settings.optical_interval_seconds,
+        }
+        must: list[tuple[int, str]] = []
+        overdue: list[tuple[float, tuple[int, str]]] = []
+        for chip in chips:
+            for verb, interval in intervals.items():
+                key = (chip.physical_id, verb)
+                last = self._calls.get(key)
+                if last is None or verb == "link":
+                    must.append(key)
+                elif now - last[1] >= interval:
+                    overdue.append((now - last[1] - interval, key))
+        overdue.sort(key=lambda item: -item[0])
+        room = max(0, settings.hccn_max_calls_per_run - len(must))
+        return must + [key for _, key in overdue[:room]]
 
     def _net_health(self, chip: ChipRef, call: Call, samples: list[Sample]) -> Finding:
         if call.output is None:
@@ -144,39 +156,41 @@ class RoceProbe(Probe):
         settings: NpuConfig,
         chips: tuple[ChipRef, ...],
         calls: dict[tuple[int, str], Call],
+        fresh: dict[tuple[int, str], Call],
         note: str,
     ) -> ProbeOutput:
+        """npu.roce.link of every chip; npu.roce.flaps from this run's link-up counts (the window moves only on a
+        fresh read; a chip whose count was not read this run keeps its last verdict)."""
         out: ProbeOutput = []
-        counts: dict[int, int] = {}
-        stat_findings: dict[int, Finding] = {}
         for chip in chips:
             samples: list[Sample] = []
             link = link_finding(chip, calls[(chip.physical_id, "link")], samples)
-            if note:
-                link = _noted(link, note)
-            out.append(link)
-            out.extend(samples)
-            call = calls[(chip.physical_id, "link_stat")]
+            out.extend([_noted(link, note) if note else link, *samples])
+        counts: dict[int, int] = {}
+        for chip in chips:
+            call = fresh.get((chip.physical_id, "link_stat"))
+            if call is None:
+                continue
             if call.output is None:
-                stat_findings[chip.physical_id] = failed(FLAPS, chip, call)
+                self._flaps[chip.physical_id] = (failed(FLAPS, chip, call), [])
                 continue
             try:
                 counts[chip.physical_id] = parse_link_stat(call.output).up_count
             except ProbeParseError as exc:
-                stat_findings[chip.physical_id] = parse_error(FLAPS, chip, call, exc)
+                self._flaps[chip.physical_id] = (parse_error(FLAPS, chip, call, exc), [])
         now = time.time()
         window = self._link_window(ctx, settings)
-        flaps = window.observe(counts, now, settings.link_flap_window_seconds)
+        flaps = window.observe(counts, now, settings.link_flap_window_seconds) if counts else {}
         for chip in chips:
-            if chip.physical_id in stat_findings:
-                out.append(stat_findings[chip.physical_id])
-                continue
-            samples = []
-            finding = flaps_finding(chip, counts[chip.physical_id], flaps[chip.physical_id], settings, now, samples)
-            if window.error:
-                finding = _noted(finding, window.error, key="state_error")
-            out.append(finding)
-            out.extend(samples)
+            if chip.physical_id in flaps:
+                samples = []
+                count = counts[chip.physical_id]
+                finding = flaps_finding(chip, count, flaps[chip.physical_id], settings, now, samples)
+                if window.error:
+                    finding = _noted(finding, window.error, key="state_error")
+                self._flaps[chip.physical_id] = (finding, samples)
+            finding, samples = self._flaps[chip.physical_id]
+            out.extend([finding, *samples])
         return out
 
     def _link_window(self, ctx: ProbeContext, settings: NpuConfig) -> LinkWindow:

@@ -60,7 +60,11 @@ class Node:
             "state_dir": str(self.tmp / "state"),
             "hccn_conf": str(self.tmp / "hccn.conf"),
             "fault_code_files": [str(self.tmp / "no-faultCode.json")],
-            "optical_interval_seconds": 0.001,
+            "optical_interval_seconds": 0,
+            "link_stat_interval_seconds": 0,
+            "net_health_interval_seconds": 0,
+            "address_interval_seconds": 0,
+            "hccn_max_calls_per_run": 1000,
         }
         out = {}
         for name, probe in self.probes.items():

@@ -22,6 +22,14 @@ from probes.npu.roce import RoceProbe
 
 pytestmark = pytest.mark.system
 CHIPS = 16
+# Every read every run, no cap: a fault raised in one run is cleared in the next.
+EVERY_RUN: dict[str, Any] = {
+    "link_stat_interval_seconds": 0,
+    "net_health_interval_seconds": 0,
+    "address_interval_seconds": 0,
+    "optical_interval_seconds": 0,
+    "hccn_max_calls_per_run": 1000,
+}
 
 
 @pytest.fixture
@@ -114,15 +122,14 @@ def test_each_fault_is_raised_on_its_chip_and_cleared(
 ) -> None:
     hccn, _smi, dev = node
     probe = RoceProbe()
-    ctx = ctx_for(tmp_path, dev, optical_interval_seconds=0.01)
+    ctx = ctx_for(tmp_path, dev, **EVERY_RUN)
     hccn.serve({5: {verb: response}})
     findings, _ = run(probe, ctx)
     assert bad(findings) == {(check, "npu5"): reason}
     finding = findings[(check, "npu5")]
     assert finding.status == status and finding.device == 5 and finding.observed[OBSERVED_PHYSICAL_ID] == 5
-    time.sleep(0.02)
     hccn.serve({})
-    findings, _ = run(probe, ctx_for(tmp_path, dev, optical_interval_seconds=0.01))
+    findings, _ = run(probe, ctx_for(tmp_path, dev, **EVERY_RUN))
     assert bad(findings) == {}
 
 
@@ -149,6 +156,24 @@ def test_optics_are_read_on_their_slower_interval(tmp_path: Path, node: tuple[Fa
     assert findings[("npu.roce.optical", "npu2")].status == Status.OK
     findings, _ = run(probe, ctx_for(tmp_path, dev, optical_interval_seconds=0.001))
     assert findings[("npu.roce.optical", "npu2")].reason == "NpuOpticalSignalLost"
+
+
+def test_the_calls_of_a_run_are_capped_once_everything_was_read(
+    tmp_path: Path, node: tuple[FakeHccn, FakeSmi, Path]
+) -> None:
+    hccn, _smi, dev = node
+    probe = RoceProbe()
+    settings = {**EVERY_RUN, "hccn_max_calls_per_run": 32}
+    run(probe, ctx_for(tmp_path, dev, **settings))
+    assert len(hccn.calls()) == 6 * CHIPS == probe.spawned  # the first run reads everything once
+    hccn.serve({})
+    run(probe, ctx_for(tmp_path, dev, **settings))
+    calls = hccn.calls()
+    assert len(calls) == 32 == probe.spawned
+    assert sum(c.endswith("-link -g") for c in calls) == CHIPS  # link of every chip, then the most overdue
+    hccn.serve({})
+    findings, _ = run(probe, ctx_for(tmp_path, dev))  # default intervals: nothing else is due yet
+    assert len(hccn.calls()) == CHIPS and len(findings) == 5 * CHIPS
 
 
 def test_flapping_survives_a_restart_and_a_driver_reload_is_not_a_burst(
