@@ -81,7 +81,7 @@ def flaps_finding(
     labels = chip.labels()
     samples.append(
         Sample(
-            "nodehealth_npu_link_up_count",
+            "nodehealth_npu_link_ups",
             "Link-up count of the chip's RoCE port (hccn_tool -link_stat -g; npu-exporter's npu_chip_link_up_num).",
             up_count,
             labels,
