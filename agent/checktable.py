@@ -184,7 +184,7 @@ def format_table(
     counts = {status: sum(1 for f in findings if f.status == status) for status in SEVERITY}
     if lines:
         lines.append("")
-    if cpu:
+    if cpu and lines:  # a ready node with --problems is the verdict alone
         lines += [cpu[: style.width], ""]
     lines += verdict_lines(node, ready, blocking, counts, style)
     return "\n".join(lines)

@@ -36,12 +36,25 @@ from probes.gpu.nvidia_smi import parse_query
 from probes.host.config import HostMemoryConfig
 from probes.host.host import memory_findings, memory_samples, parse_meminfo
 from probes.network.dns import DNS, DNS_FAILED
+from probes.npu.chipmap import ChipRef
 from probes.npu.config import NpuConfig
 from probes.npu.details import resolve_ids
+from probes.npu.ecc import EccProbe
+from probes.npu.fault_codes import FaultTable
 from probes.npu.findings import hbm_findings, health_findings
+from probes.npu.grade import grade_finding
+from probes.npu.hccn import Call
 from probes.npu.info_table import parse_info
+from probes.npu.link_window import Flaps
 from probes.npu.metrics import chip_samples
 from probes.npu.reasons import SMI
+from probes.npu.roce_findings import (
+    address_finding,
+    flaps_finding,
+    link_finding,
+    net_health_finding,
+    optical_finding,
+)
 from probes.pcie.pcie import AER, LINK, link_samples
 from probes.pcie.sysfs import LinkState
 from probes.runtime.cpulimit import Confinement, CpuCgroup
@@ -53,6 +66,7 @@ from probes.time.time import SYNC, kernel_samples
 GOLDEN = REPO / "tests" / "data" / "metrics.golden.txt"
 REGENERATE_ENV = "NODE_HEALTH_REGENERATE_GOLDEN"
 FIXTURES = REPO / "tests" / "fixtures"
+HCCN = FIXTURES / "hccn_tool"
 NPU_INFO = FIXTURES / "npu-smi" / "910b1-8card-healthy-1proc-info-24.1.0.txt"
 GPU_QUERY = FIXTURES / "nvidia-smi" / "a100-sxm4-40gb-8gpu-q-full-460.32.03-healthy.txt"
 DEVICES = 2  # of each kind: enough to show per-device labels, few enough to read the file
@@ -84,6 +98,37 @@ def npu_run() -> tuple[list[Finding], list[Sample]]:
     # A floor between the chips' free HBM (65536 - 3437 and 65536 - 3378 MiB): npu0 is below it, npu1 is not.
     findings += hbm_findings(chips, 62_120, settings.hbm_leak_min_mib, set(), {})
     return findings, chip_samples(chips, {})
+
+
+def npu_links_run() -> tuple[list[Finding], list[Sample]]:
+    """npu.roce, npu.grade and npu.ecc on two chips from the sourced hccn_tool and npu-smi outputs: npu1's port
+    DOWN and its optical module without signal, npu0's HBM with a double-bit error."""
+    settings, samples = NpuConfig(), []
+    chips = [ChipRef(n, n, n, 0, "Ascend 910B1", bus) for n, bus in ((0, "0000:C1:00.0"), (1, "0000:01:00.0"))]
+    findings: list[Finding] = []
+    for chip, link, optical in (
+        (chips[0], "link-up-doc.txt", "optical-present-healthy-DERIVED.txt"),
+        (chips[1], "link-down-hccn_tool-go.txt", "optical-present-rx-los-DERIVED.txt"),
+    ):
+
+        def call(verb: str, name: str, chip: ChipRef = chip) -> Call:
+            return Call(chip.physical_id, verb, (HCCN / name).read_text())
+
+        findings.append(link_finding(chip, call("link", link), samples))
+        findings.append(flaps_finding(chip, 2, Flaps(0, 1.8e9, False), settings, 1.8e9, samples))
+        findings.append(net_health_finding(chip, "Success", samples))
+        findings.append(optical_finding(chip, call("optical", optical), settings, samples))
+        findings.append(address_finding(chip, call("ip", "ip-configured-faultdiag.txt"), None, None, "/etc/hccn.conf"))
+        health = (FIXTURES / "npu-smi" / "910a-t-health-OK-i0-c0-faultdiag.txt").read_text()
+        findings.append(grade_finding(chip, health, "", FaultTable({}, "built-in")))
+        ecc = (FIXTURES / "npu-smi" / "910a-t-ecc-i1-ddr-and-hbm-docexample-mindcluster.txt").read_text()
+        if chip.logical_id == 0:
+            ecc = ecc.replace(
+                "HBM Double Bit Error Count               : 0", "HBM Double Bit Error Count               : 1"
+            )
+        for item in EccProbe().judge(chip, ecc, "", settings, 0.0):
+            (findings if isinstance(item, Finding) else samples).append(item)  # type: ignore[arg-type]
+    return findings, samples
 
 
 def gpu_run() -> tuple[list[Finding], list[Sample]]:
@@ -119,6 +164,15 @@ def fake_node(cpu: Confinement) -> Agent:
     state = agent.state
     for probe, (findings, samples) in (("npu", npu_run()), ("gpu", gpu_run()), ("host", host_run())):
         state.record(probe, findings, samples, duration=0.25)
+    links, link_samples_ = npu_links_run()
+    for probe in ("npu.roce", "npu.grade", "npu.ecc"):
+        own = [f for f in links if f.check.startswith(probe)]
+        state.record(
+            probe,
+            own,
+            [s for s in link_samples_ if ("_ecc_" in s.name) == (probe == "npu.ecc")],
+            duration=0.25,
+        )
     space = (space_finding("/data", DATA_STATVFS, SpaceSpec(path="/data")),)
     state.record("storage.space", space, space_samples("/data", DATA_STATVFS, 0.002), duration=0.01)
     link = LinkState(width=16, max_width=16, speed=32.0, max_speed=32.0)

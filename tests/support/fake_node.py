@@ -51,6 +51,8 @@ from support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SMI = Path(__file__).resolve().parent / "fake_npu_smi.py"
+FAKE_HCCN = Path(__file__).resolve().parent / "fake_hccn_tool.py"
+NPU_CHIPS = 8
 
 NPU_INFO_FIXTURE = "npu-smi/910b1-8card-healthy-1proc-info-24.1.0.txt"
 GPU_QUERY_FIXTURE = "nvidia-smi/a100-sxm4-40gb-8gpu-q-full-460.32.03-healthy.txt"
@@ -150,8 +152,18 @@ def publish_devices(api: ApiDouble, node: str, fixtures: Path, which: tuple[str,
 
 
 def npu_smi_spec(fixtures: Path, log: Path) -> dict[str, Any]:
+    """`info` from the fixture; `-t health` and `-t ecc` of each chip (npu.grade, npu.ecc) healthy, from the
+    project's sourced outputs."""
+    own = REPO / "tests" / "fixtures" / "npu-smi"
+    health = {"stdout_file": str(own / "910a-t-health-OK-i0-c0-faultdiag.txt")}
+    ecc = {"stdout_file": str(own / "910a-t-ecc-i1-ddr-and-hbm-docexample-mindcluster.txt")}
+    details = {
+        f"info -t {kind} -i {n} -c 0": answer
+        for n in range(NPU_CHIPS)
+        for kind, answer in (("health", health), ("ecc", ecc))
+    }
     return {
-        "responses": {"info": {"stdout_file": str(fixtures / NPU_INFO_FIXTURE)}},
+        "responses": {"info": {"stdout_file": str(fixtures / NPU_INFO_FIXTURE)}, **details},
         # Anything else (`info -m`, ...) gets npu-smi's usage error: the probe falls back to table order.
         "log": str(log),
     }
@@ -235,6 +247,11 @@ class FakeNode:
 
         npu_spec, gpu_spec = work / "npu-smi.json", work / "nvidia-smi.json"
         npu_spec.write_text(json.dumps(npu_smi_spec(self.fixtures, work / "npu-smi.calls")))
+        # hccn_tool (npu.roce): every chip's port healthy, from tests/fixtures/hccn_tool.
+        from support.fake_hccn_tool import HEALTHY
+
+        hccn_spec = work / "hccn-tool.json"
+        hccn_spec.write_text(json.dumps({"chips": {}, "default": HEALTHY}))
         gpu_spec.write_text(json.dumps(nvidia_smi_spec(self.fixtures)))
 
         # A torch FileBaton left behind by a killed job: the file's existence is the lock.
@@ -262,6 +279,9 @@ class FakeNode:
                 name: {**schedule, "timeout_seconds": 8.0}
                 for name in (
                     "npu",
+                    "npu.roce",
+                    "npu.grade",
+                    "npu.ecc",
                     "gpu",
                     "pcie",
                     "host",
@@ -278,7 +298,13 @@ class FakeNode:
                 )
             },
             "host": {"dev": str(work / "dev"), "sys": str(work / "sys")},
-            "npu": {"smi_command": [sys.executable, str(FAKE_SMI), str(npu_spec)]},
+            "npu": {
+                "smi_command": [sys.executable, str(FAKE_SMI), str(npu_spec)],
+                "hccn_command": [sys.executable, str(FAKE_HCCN), str(hccn_spec)],
+                "state_dir": str(work / "state"),
+                "hccn_conf": str(work / "no-hccn.conf"),
+                "fault_code_files": [str(work / "no-faultCode.json")],
+            },
             "gpu": {
                 "nvml_library": str(work / "no-such-libnvidia-ml.so.1"),
                 "smi_command": [sys.executable, str(FAKE_SMI), str(gpu_spec)],
