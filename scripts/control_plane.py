@@ -124,7 +124,7 @@ def _go_mod(version: str, kubernetes_mod: str) -> tuple[str, str]:
 def _ldflags(version: str) -> str:
     found = _VERSION.match(version)
     assert found is not None
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     values = {
         "gitVersion": version,
         "gitMajor": found.group(1),
