@@ -407,8 +407,9 @@ def _controller_status(api: ApiDouble, resource: str, old: dict[str, Any] | None
         condition = {
             "type": EVICTION_CONDITION,
             "status": "False",
-            "reason": "NoEviction" if stored["spec"]["taint"].get("effect") != "NoExecute" else "Completed",
-            "message": "no pods need to be evicted",
+            # As kube-controller-manager 1.36/1.37 write it for a taint that evicts nothing.
+            "reason": "OtherEffect" if stored["spec"]["taint"].get("effect") != "NoExecute" else "Completed",
+            "message": "Eviction only happens for the NoExecute effect.",
             "lastTransitionTime": now,
             "observedGeneration": stored["metadata"].get("generation", 1),
         }
