@@ -6,7 +6,8 @@ made here, the default admission plugins plus NodeRestriction (ValidatingAdmissi
 TaintNodesByCondition gives every new Node `node.kubernetes.io/not-ready:NoSchedule`), the DRA API each release
 serves (1.36: DeviceTaintRules only in `resource.k8s.io/v1beta2`, behind DRADeviceTaintRules) and the device-taint
 gates on or off. The controller-manager runs the garbage collector, the namespace controller, the service-account
-controllers (default accounts, legacy Secret tokens) and the device-taint-eviction controller.
+controllers (default accounts, legacy Secret tokens), the device-taint-eviction controller and the admission
+policies' status controller (their type check). Privileged pods are allowed, as on a real cluster's apiserver.
 
 One plane per (release, gates) for the whole session (`plane`), stopped at its end. The admin reaches it with a
 static token (`kubeconfig`); `node_token` gives a pod-bound service-account token for a named node, as a
@@ -256,6 +257,7 @@ class Plane:
                 f"--token-auth-file={self.root / 'tokens.csv'}",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NodeRestriction",
+                "--allow-privileged=true",
                 f"--service-account-key-file={self.root / 'sa.pub'}",
                 f"--service-account-signing-key-file={self.root / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -278,7 +280,8 @@ class Plane:
                 f"--service-account-private-key-file={self.root / 'sa.key'}",
                 f"--root-ca-file={self.root / 'certs' / 'apiserver.crt'}",
                 "--controllers=garbage-collector-controller,namespace-controller,serviceaccount-controller,"
-                "serviceaccount-token-controller,device-taint-eviction-controller",
+                "serviceaccount-token-controller,device-taint-eviction-controller,"
+                "validatingadmissionpolicy-status-controller",
                 f"--feature-gates={gates(self.release, self.taint_rules)}",
                 "--v=1",
             ],
