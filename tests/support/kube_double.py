@@ -150,6 +150,8 @@ class ApiDouble:
         self.token: str | None = None
         # resource.k8s.io as a release serves it: version → resources (kube_dra.RELEASES); empty: no DRA.
         self.dra: dict[str, tuple[str, ...]] = {}
+        # Whether a device-taint-eviction controller writes each DeviceTaintRule's status (kube_dra).
+        self.taint_controller = True
         # Whether the Prometheus Operator's CRDs are installed (monitoring.coreos.com/v1 served).
         self.prometheus_operator = False
 
@@ -320,6 +322,7 @@ class ApiDouble:
     def serve_dra(self, release: str) -> None:
         """Serve resource.k8s.io as Kubernetes `release` does ("1.37", "1.36", "1.36-no-taint-rules", "none")."""
         self.dra = dict(kube_dra.RELEASES[release])
+        self.taint_controller = release != "1.36-no-taint-rules"
 
     def device_taint_rules(self, label_selector: str = "") -> list[dict[str, Any]]:
         return self.list("devicetaintrules", "", label_selector)

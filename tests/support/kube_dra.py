@@ -38,7 +38,8 @@ GROUP = "resource.k8s.io"
 RELEASES: dict[str, dict[str, tuple[str, ...]]] = {
     "1.37": {"v1": ("resourceslices", "devicetaintrules"), "v1beta2": ("resourceslices", "devicetaintrules")},
     "1.36": {"v1": ("resourceslices",), "v1beta2": ("resourceslices", "devicetaintrules")},
-    "1.36-no-taint-rules": {"v1": ("resourceslices",), "v1beta2": ("resourceslices",)},
+    # As the real 1.36: the rules are served whatever the gate says; with it off nothing acts on them.
+    "1.36-no-taint-rules": {"v1": ("resourceslices",), "v1beta2": ("resourceslices", "devicetaintrules")},
     "none": {},
 }
 KINDS = {"resourceslices": "ResourceSlice", "devicetaintrules": "DeviceTaintRule"}
@@ -47,6 +48,7 @@ FIELD_LABELS = {
     "devicetaintrules": ("metadata.name",),
 }
 DEVICE_TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
+EVICTION_CONDITION = "EvictionInProgress"
 
 _PATH = re.compile(
     r"^/apis(?:/(?P<group>[^/]+)(?:/(?P<version>[^/]+)(?:/(?P<resource>[^/]+)(?:/(?P<name>[^/]+)"
@@ -352,6 +354,7 @@ def route(
         created = api.create(
             resource, "", _with_server_fields(resource, decoded, None), api_version=f"{GROUP}/{version}"
         )
+        _controller_status(api, resource, None, created)
         return 201, _answer(created, version)
     if name is None:
         raise ApiError(405, "MethodNotAllowed", f"{method} needs an object name")
@@ -386,4 +389,29 @@ def _write(
         wanted_rv = (decoded.get("metadata") or {}).get("resourceVersion")
         new.setdefault("metadata", {})["resourceVersion"] = wanted_rv or current["metadata"]["resourceVersion"]
         updated = api.update(resource, "", name, "", _with_server_fields(resource, new, current), patched=True)
+    _controller_status(api, resource, current, updated)
     return 200, _answer(updated, version)
+
+
+def _controller_status(api: ApiDouble, resource: str, old: dict[str, Any] | None, new: dict[str, Any]) -> None:
+    """kube-controller-manager's device-taint-eviction controller (gates on): right after a rule's create or spec
+    change it writes the rule's status, so the resourceVersion the writer got back is stale at once."""
+    if resource != "devicetaintrules" or not api.taint_controller:
+        return
+    if old is not None and old.get("spec") == new.get("spec"):
+        return
+    name = new["metadata"]["name"]
+    with api.locked():
+        stored = copy.deepcopy(api.get(resource, "", name))
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        condition = {
+            "type": EVICTION_CONDITION,
+            "status": "False",
+            # As kube-controller-manager 1.36/1.37 write it for a taint that evicts nothing.
+            "reason": "OtherEffect" if stored["spec"]["taint"].get("effect") != "NoExecute" else "Completed",
+            "message": "Eviction only happens for the NoExecute effect.",
+            "lastTransitionTime": now,
+            "observedGeneration": stored["metadata"].get("generation", 1),
+        }
+        stored["status"] = {"conditions": [condition]}
+        api.update(resource, "", name, "status", stored, patched=True)

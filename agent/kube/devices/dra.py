@@ -24,6 +24,7 @@ from agent.kube.devices.isolation import Isolation, RuleSpec
 from agent.kube.devices.match import is_own_rule, own_rules_selector, rule_body, rule_labels, same_spec
 
 DRA_VERSIONS = ("v1", "v1beta2")
+WRITE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class RuleResult:
     wrote: str = ""  # "created", "updated", "" (already as wanted)
     error: str = ""
     exc: BaseException | None = None  # the API error behind `error`, for its kind
+    # With `error` set, the rule still stored (a write that kept meeting 409s): it isolates the device as before.
+    gone: bool = False  # the rule was deleted, or is not ours, while it was written: it isolates nothing
 
 
 class RuleWriter:
@@ -113,22 +116,64 @@ class RuleWriter:
                 raise
         existing = self.api.get_device_taint_rule(self.version, rule.name)
         if existing is None:  # deleted in between: the next pass creates it
-            return RuleResult(rule.name, None, error=f"DeviceTaintRule {rule.name} changed while it was written")
+            return RuleResult(
+                rule.name, None, error=f"DeviceTaintRule {rule.name} changed while it was written", gone=True
+            )
         if not is_own_rule(existing, self.prefix, self.node_label):
-            return RuleResult(rule.name, None, error=f"a DeviceTaintRule named {rule.name} exists and is not ours")
+            error = f"a DeviceTaintRule named {rule.name} exists and is not ours"
+            return RuleResult(rule.name, None, error=error, gone=True)
         return self._update(rule, existing)
 
     def _update(self, rule: RuleSpec, current: Mapping[str, Any]) -> RuleResult:
-        if same_spec(current, rule.spec):
-            return RuleResult(rule.name, dict(current))
-        body = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "spec": dict(rule.spec)}
-        return RuleResult(rule.name, self.api.patch_device_taint_rule(self.version, rule.name, body), "updated")
+        """A merge patch carrying the resourceVersion read; a 409 (the device-taint-eviction controller writes each
+        rule's status right after every create and spec change, so what was read is often stale) reads the rule
+        again and patches that, up to WRITE_ATTEMPTS times within the pass."""
+        for _ in range(WRITE_ATTEMPTS):
+            if same_spec(current, rule.spec):
+                return RuleResult(rule.name, dict(current))
+            body = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "spec": dict(rule.spec)}
+            try:
+                return RuleResult(rule.name, self.api.patch_device_taint_rule(self.version, rule.name, body), "updated")
+            except Exception as exc:
+                if not is_status(exc, 409):
+                    raise
+                conflict = exc
+            fresh = self.api.get_device_taint_rule(self.version, rule.name)
+            if fresh is None or not is_own_rule(fresh, self.prefix, self.node_label):
+                error = f"DeviceTaintRule {rule.name} changed while it was written"
+                return RuleResult(rule.name, None, error=error, gone=True)
+            current = fresh
+        return RuleResult(rule.name, dict(current), error=short_error(conflict), exc=conflict)
 
     def delete(self, rule: Mapping[str, Any]) -> BaseException | None:
-        """None when the rule is gone; else the error (a 409: it changed since it was read; read again next pass)."""
+        """None when the rule is gone (or no longer ours); else the error. A 409 (it changed since it was read: the
+        controller's status) reads it again and deletes that, up to WRITE_ATTEMPTS times within the pass."""
         metadata = rule["metadata"]
-        try:
-            self.api.delete_device_taint_rule(self.version, metadata["name"], str(metadata.get("resourceVersion")))
-        except Exception as exc:  # noqa: BLE001 - kept, and tried again on the next pass
-            return exc
-        return None
+        name = metadata["name"]
+        version = str(metadata.get("resourceVersion"))
+        error: BaseException | None = None
+        for _ in range(WRITE_ATTEMPTS):
+            try:
+                self.api.delete_device_taint_rule(self.version, name, version)
+                return None
+            except Exception as exc:  # noqa: BLE001 - kept, and tried again on the next pass
+                if not is_status(exc, 409):
+                    return exc
+                error = exc
+            try:
+                fresh = self.api.get_device_taint_rule(self.version, name)
+            except Exception as exc:  # noqa: BLE001
+                return exc
+            if fresh is None or not is_own_rule(fresh, self.prefix, self.node_label):
+                return None
+            version = str(fresh["metadata"].get("resourceVersion"))
+        return error
+
+
+def acted_on(rule: Mapping[str, Any] | None) -> bool:
+    """Whether the cluster shows it acts on DeviceTaintRules: the device-taint-eviction controller (running, with
+    the device-taint gates on) writes a rule's status (its conditions) after the rule is created; a cluster that
+    serves rules but ignores them (1.36 with DRADeviceTaintRules off in the controller-manager) never does."""
+    status = rule.get("status") if isinstance(rule, Mapping) else None
+    conditions = status.get("conditions") if isinstance(status, Mapping) else None
+    return bool(conditions) and isinstance(conditions, list)

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.config import KubernetesConfig
-from agent.kube.client import Backoff, KubeApi, agent_namespace, classify, short_error
-from agent.kube.devices.budget import DeviceBudget, DeviceBudgetSettings, DeviceGrant
+from agent.kube.client import Backoff, KubeApi, classify, short_error
+from agent.kube.devices.acting import NOT_ACTED, Acting
+from agent.kube.devices.acting import WHY as WHY_NOT_ACTED
 from agent.kube.devices.dra import Discovery, RuleWriter, discover, own_rules, refreshed_rules
 from agent.kube.devices.isolation import (
     Isolation,
@@ -54,6 +55,7 @@ from agent.kube.devices.match import (
 from agent.kube.devices.match import published_devices as parse_published
 from agent.kube.devices.publicfault import ActiveFault, FaultKey, PublicFaults
 from agent.kube.devices.report import IsolatorView
+from agent.kube.devices.seats import Seats
 from agent.kube.node.policy import Desired
 from agent.snapshot import Snapshot
 
@@ -104,12 +106,9 @@ class DeviceIsolator:
         self.last_error = ""
         self.would_write: list[dict[str, Any]] = []
         self.isolations: tuple[Isolation, ...] = ()
-        self.grant: DeviceGrant | None = None
         self._faults: PublicFaults | None = None  # kept across reloads: faults turned off are still recovered
         self._backoff = Backoff(1.0, 300.0, rng)
-        self._budget_backoff = Backoff(60.0, 300.0, rng)
-        self._budget_obj: DeviceBudget | None = None
-        self._budget_at: tuple[KubeApi, str, str, str] | None = None
+        self._seats = Seats(node, api, clock, rng, functools.partial(hooks.wrote, "device_budget"), self._error)
         self._reset()
 
     def _reset(self) -> None:
@@ -120,12 +119,11 @@ class DeviceIsolator:
         self._slices_at = 0.0
         self._rules: dict[str, dict[str, Any]] | None = None  # the agent's rules of this node, as last read
         self._rules_at = 0.0
-        self._denied = False
-        self._held: frozenset[str] | None = None  # device budget slots held (None: not asked since start)
-        self._budget_retry_at = 0.0
+        self._seats.reset()
         self._retry_at = 0.0
         self._removals: _Removals | None = None
         self._withheld: set[str] = set()
+        self._acting = Acting()
 
     def reconfigure(self) -> None:
         with self._pass_lock:
@@ -191,6 +189,7 @@ class DeviceIsolator:
             elif self._rules and tick - self._rules_at > recheck:  # read back by name: O(own rules), no list
                 self._rules = refreshed_rules(self._api(), version, self._rules, policy.key_prefix, self.node_label)
                 self._rules_at = tick
+            self._acting.saw(self._rules.values())
         elif version is None:
             self._rules = {}
         return self._discovery
@@ -239,6 +238,7 @@ class DeviceIsolator:
                 return adjust_desired(desired, snapshot, (), policy, {})
             mechanisms = self._mechanisms(policy, tick, frozenset(wants))
             isolations = decide(wants, known, mechanisms, policy) + self._kept(held, wants, policy)
+            isolations = self._unacted(isolations, policy)
             isolations = self._budgeted(isolations, policy, tick)
             isolations = self._write_rules(isolations, policy, mechanisms, tick)
             isolations = self._write_faults(isolations, policy, held, tick)
@@ -246,13 +246,27 @@ class DeviceIsolator:
             self._announce(isolations)
             self.isolations = tuple(isolations)
             counts = Counter(ref.category for ref in known)
-            grant = self.grant
+            grant = self._seats.grant
             used = f"device budget: {grant.used} of {grant.limit} devices isolated" if grant else ""
             return adjust_desired(desired, snapshot, isolations, policy, counts, used)
 
+    def _unacted(self, isolations: list[Isolation], policy: KubernetesConfig) -> list[Isolation]:
+        """While the cluster is known not to act on rules, a rule is no isolation: its device goes to the fallback
+        before the budget is asked (no slot taken and given back on every pass); rules already there stay, so the
+        recheck can see the controller's status. With none left, the next write asks the cluster again."""
+        if self._acting.known is not False:
+            return isolations
+        if not self._rules:
+            self._acting.known = None
+            return isolations
+        return [
+            replace(as_fallback(i, policy, WHY_NOT_ACTED, NOT_ACTED), rules=i.rules) if i.mechanism == "dra" else i
+            for i in isolations
+        ]
+
     def _owns_anything(self) -> bool:
         faults = self._faults.occurring() if self._faults is not None else {}
-        return bool(self._rules) or bool(faults) or bool(self._held)
+        return bool(self._rules) or bool(faults) or bool(self._seats.held)
 
     def _kept(self, held: frozenset[str], wants: Mapping[DeviceRef, Want], policy: KubernetesConfig) -> list[Isolation]:
         faults = self._faults_devices() if "npu" in held else []
@@ -261,74 +275,12 @@ class DeviceIsolator:
     def _faults_devices(self) -> list[str]:
         return self._faults.isolated_devices() if self._faults is not None else []
 
-    # --- the device budget ------------------------------------------------------------------------------
-
-    def _settings(self, policy: KubernetesConfig) -> DeviceBudgetSettings:
-        discovery = self._discovery
-        return DeviceBudgetSettings.from_policy(
-            policy, discovery.slices if discovery else None, discovery.rules if discovery else None
-        )
-
-    def _budget(self, policy: KubernetesConfig) -> DeviceBudget:
-        """One per ConfigMap, as the reconciler keeps its node budget: it remembers the garbage it has logged."""
-        key = (self._api(), agent_namespace(policy), policy.device_budget_configmap, policy.key_prefix)
-        if self._budget_obj is None or self._budget_at != key:
-            api, namespace, name, prefix = self._budget_at = key
-            wrote = functools.partial(self._hooks.wrote, "device_budget")
-            self._budget_obj = DeviceBudget(api, self.node, namespace, name, prefix, self._clock, wrote)
-        return self._budget_obj
+    # --- the device budget (agent.kube.devices.seats) ------------------------------------------------
 
     def _budgeted(self, isolations: list[Isolation], policy: KubernetesConfig, tick: float) -> list[Isolation]:
-        fine = {i.device for i in isolations if i.fine}
-        present = self._present(policy) & fine
-        if fine <= (self._held or frozenset()):
-            return isolations
-        if policy.dry_run:
-            return self._would_budget(isolations, policy, fine, present)
-        if tick >= self._retry_at and tick >= self._budget_retry_at:
-            try:
-                budget, settings = self._budget(policy), self._settings(policy)
-                refused = budget.peek(settings) if self._denied else None
-                self.grant = refused or budget.acquire(settings, fine, present)
-                if refused is None:
-                    self._held = self.grant.held
-            except Exception as exc:  # noqa: BLE001 - not known to fit: the node taint, fail closed
-                why = self._error(exc, "device budget not read")
-                return [
-                    as_fallback(i, policy, why, "budget_error") if i.device not in present else i for i in isolations
-                ]
-            self._denied = bool(fine - (self._held or frozenset()))
-            if self._denied:
-                self._budget_retry_at = tick + self._budget_backoff.next_delay()
-            else:
-                self._budget_backoff.reset()
-        granted = (self._held or frozenset()) | present
-        return [i if not i.fine or i.device in granted else self._withhold(i) for i in isolations]
-
-    def _would_budget(
-        self, isolations: list[Isolation], policy: KubernetesConfig, fine: set[str], present: set[str]
-    ) -> list[Isolation]:
-        try:
-            self.grant = self._budget(policy).would_grant(self._settings(policy), fine, present)
-        except Exception as exc:  # noqa: BLE001
-            why = self._error(exc, "device budget not read")
-            return [as_fallback(i, policy, why, "budget_error") if i.fine else i for i in isolations]
-        taken = self.grant.held - (self._held or frozenset())
-        if taken:
-            self.would_write.append({"kind": "device_budget", "what": f"take slots for {', '.join(sorted(taken))}"})
-        return [i if not i.fine or i.device in self.grant.held else self._withhold(i) for i in isolations]
-
-    def _withhold(self, isolation: Isolation) -> Isolation:
-        grant = self.grant
-        if grant is not None and grant.counting:
-            why = "the device budget is being counted"
-        elif grant is not None and grant.limit == 0 and grant.devices == 0:
-            why = "the device budget counts no device in the fleet (kubernetes.dra_drivers, device_resources)"
-        elif grant is not None:
-            why = "the device budget is spent"
-        else:
-            why = "the device budget has not been asked yet"
-        return replace(isolation, mechanism="withheld", rules=(), codes={}, why=why, why_code="budget")
+        api_ok = tick >= self._retry_at
+        present = self._present(policy)
+        return self._seats.apply(isolations, policy, self._discovery, tick, api_ok, present, self.would_write)
 
     def _present(self, policy: KubernetesConfig) -> set[str]:
         """Devices a rule or fault of the agent's already isolates (they keep their slot, as a node already
@@ -357,6 +309,10 @@ class DeviceIsolator:
         return out
 
     def _ensure(self, writer: RuleWriter, isolation: Isolation, policy: KubernetesConfig, tick: float) -> Isolation:
+        """The device's rules written. A rule already stored keeps isolating the device whatever the write meets
+        (a 409 retried within the pass and still lost, a backoff, an error): a reason change never moves a device
+        to the node taint. A device without its rule falls back; so does one while the cluster does not act on
+        rules (`acting`)."""
         rules = self._rules if self._rules is not None else {}
         for rule in isolation.rules:
             current = rules.get(rule.name)
@@ -365,16 +321,26 @@ class DeviceIsolator:
                     self.would_write.append({"kind": "device_rule", "what": f"{rule.name}: {rule.spec['taint']}"})
                 continue
             if tick < self._retry_at and (current is None or not same_spec(current, rule.spec)):
+                if current is not None:
+                    continue  # changed once the API is back; the stored rule isolates meanwhile
                 return as_fallback(isolation, policy, "the API is backing off: rule not written", "write_failed")
             result = writer.ensure(isolation, rule, current)
-            if result.rule is None:
+            if result.error:
                 self._error(result.exc or RuntimeError(result.error), f"DeviceTaintRule {rule.name}")
+            if result.rule is None and (current is None or result.gone):
                 self._rules = None  # read again: what is stored is not known
                 return as_fallback(isolation, policy, f"DeviceTaintRule not written: {result.error}", "write_failed")
-            rules[rule.name] = result.rule
+            stored = result.rule if result.rule is not None else current
+            assert stored is not None
+            rules[rule.name] = stored
             self._rules = rules
             if result.wrote:
                 self._hooks.wrote("device_rule", f"{result.wrote} {rule.name} {rule.spec['taint']}")
+        if policy.dry_run or not isolation.rules:
+            return isolation
+        why = self._acting.check(writer, [rule.name for rule in isolation.rules], rules)
+        if why:
+            return replace(as_fallback(isolation, policy, why, NOT_ACTED), rules=isolation.rules)
         return isolation
 
     def _write_faults(
@@ -404,7 +370,11 @@ class DeviceIsolator:
         return isolations
 
     def _plan_removals(self, isolations: list[Isolation], policy: KubernetesConfig, held: frozenset[str]) -> _Removals:
-        wanted_rules = {rule.name for i in isolations if i.mechanism == "dra" for rule in i.rules}
+        # A rule the cluster does not act on yet stays (its device is on the node taint meanwhile): deleted and
+        # made again on every pass, it would never live long enough to be acted on.
+        wanted_rules = {
+            rule.name for i in isolations if i.mechanism == "dra" or i.why_code == NOT_ACTED for rule in i.rules
+        }
         removals = _Removals(rules=[r for n, r in (self._rules or {}).items() if n not in wanted_rules])
         if self._faults is not None:
             chosen = [i for i in isolations if i.mechanism == "public_fault" and i.want is not None]
@@ -413,7 +383,8 @@ class DeviceIsolator:
             removals.fault_devices = {i.device for i in isolations if i.mechanism == "public_fault"}
             removals.recover = bool(set(self._faults.occurring()) - removals.active.keys() - removals.keep_faults)
         fine = frozenset(i.device for i in isolations if i.fine)
-        removals.keep_slots = fine if self._held and self._held - fine else None
+        slots = self._seats.held
+        removals.keep_slots = fine if slots and slots - fine else None
         return removals
 
     def finish(self, policy: KubernetesConfig, tick: float) -> None:
@@ -428,10 +399,7 @@ class DeviceIsolator:
                 return
             clean = self._delete_rules(removals, policy) and self._recover(removals)
             if clean and removals.keep_slots is not None:
-                try:
-                    self._held = self._budget(policy).release(removals.keep_slots)
-                except Exception as exc:  # noqa: BLE001 - kept, given back on a later pass
-                    self._error(exc, "device budget slots not released")
+                self._seats.release(policy, removals.keep_slots)
             if clean:
                 self._backoff.reset()
 
@@ -470,8 +438,8 @@ class DeviceIsolator:
                 tuple(self._slice_notes),
                 self._faults,
                 self.isolations,
-                self._held,
-                self.grant,
+                self._seats.held,
+                self._seats.grant,
                 tuple(self.would_write),
                 Counter(self.errors),
                 self.last_error,

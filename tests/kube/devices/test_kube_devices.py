@@ -22,6 +22,7 @@ from support.kube_dra import add_resource_slice
 from support.kube_helpers import Clock, conditions, health_state, make_agent, our_taints, record
 
 from agent.kube.client import KubeApi, PartialDeviceSelector
+from agent.kube.devices import acting
 from agent.kube.devices.match import rule_name
 
 PROBES = {"gpu": ("gpu.holders",), "npu": ("npu.holders",), "storage": ("storage.mounts",)}
@@ -126,7 +127,8 @@ def test_reason_change_updates_the_rule_and_recovery_deletes_it(double: ApiDoubl
     assert conditions(node)["GPUHealthy"]["status"] == "True"
     assert "node-health/isolated-devices" not in (node["metadata"].get("annotations") or {})
     deletes = [w for w in double.writes if w.method == "DELETE"]
-    assert len(deletes) == 1 and deletes[0].body["preconditions"]["resourceVersion"]
+    # The controller's status write made the held resourceVersion stale: the 409 is read again and retried at once.
+    assert [w.status for w in deletes] == [409, 200] and deletes[1].body["preconditions"]["resourceVersion"]
 
 
 @pytest.mark.system
@@ -161,13 +163,26 @@ def test_without_dra_the_node_is_tainted_as_today(double: ApiDouble) -> None:
 
 
 @pytest.mark.system
-def test_dra_without_taint_rules_falls_back_and_says_why(double: ApiDouble) -> None:
-    state, agent, _clock = setup(double, "1.36-no-taint-rules")
+def test_dra_without_taint_rules_falls_back_and_says_why(double: ApiDouble, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1.36 with DRADeviceTaintRules off serves the rules and ignores them: no controller ever writes a rule's
+    status, so the rule is not counted as an isolation; the device is on the node taint and the rule stays (made
+    and deleted on every pass, it could never be seen acted on)."""
+    monkeypatch.setattr(acting, "CONFIRM_SECONDS", 1.0)
+    state, agent, clock = setup(double, "1.36-no-taint-rules")
     record_gpus(state, {3: "GpuHeldOutOfBand"})
     agent.reconcile_once()
     node = double.node("n1")
     assert our_taints(node) == {"gpu": ("GpuHeldOutOfBand", "NoSchedule")}
-    assert "serves no DeviceTaintRules" in conditions(node)["GPUHealthy"]["message"]
+    assert "does not act on DeviceTaintRules" in conditions(node)["GPUHealthy"]["message"]
+    assert isolated(node)[0]["mechanism"] == "node"
+    assert list(rules(double)) == [GPU3_RULE]
+    assert "does not act" in agent.status()["devices"]["isolated"][0]["why"]
+    labels = {s.labels.get("why") for s in agent.samples() if s.name == "nodehealth_device_isolation"}
+    assert labels == {"not_acted"}
+    clock.advance(30)
+    before = len(double.writes)
+    agent.reconcile_once()
+    assert [(w.method, w.path) for w in double.writes[before:]] == [], "judged once: no rewrite on the next pass"
 
 
 @pytest.mark.system
