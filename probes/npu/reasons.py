@@ -34,7 +34,8 @@ NPU_TOOL_MISSING = Reason(
     "and npu.hbm cannot be read (npu.holders still runs)",
     "install the Ascend driver's tools (the run package puts npu-smi in /usr/local/Ascend/driver/tools and links "
     "/usr/local/sbin/npu-smi), or point npu.smi_command at it, e.g. [nsenter, -t, 1, -m, --, "
-    "/usr/local/Ascend/driver/tools/npu-smi]",
+    "/usr/local/Ascend/driver/tools/npu-smi]; the node is not ready meanwhile (the finding is required; "
+    "npu.unreadable_blocks_ready: false lets a node whose chips cannot be read be ready)",
 )
 NPU_TABLE_TRUNCATED = Reason(
     "NpuTableTruncated",
