@@ -31,20 +31,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.ready import device_index, echo
+from agent.ready import echo
 from agent.reasons import LEDGER_STALE, LEDGER_UNAVAILABLE, POD_DEVICES_UNKNOWN, POD_NOT_IN_LEDGER
 from agent.snapshot import Snapshot
 from probes.base import Check, Finding, Reason
-from probes.npu.ledger_findings import FirstSeen, real_chips
+from probes.gpu.ledger_findings import gpu_indices, gpu_of_id
+from probes.npu.ledger_findings import FirstSeen, chip_indices, chip_of, real_chips
 from probes.runtime.podresources.client import STARTUP_ALLOWANCE_SECONDS, LedgerRead, last_read, ledger_source
 from probes.runtime.podresources.ledger import (
     ASCEND_PREFIX,
     NVIDIA_PREFIX,
     Allocation,
     Ledger,
-    ascend_ref,
     by_pod,
-    nvidia_ref,
 )
 from probes.runtime.podresources.pods import PodDirectory
 
@@ -127,32 +126,6 @@ def read_problem(read: LedgerRead | None, now: float) -> tuple[Reason, str, dict
         message = f"the last ledger read is {age:.0f}s old (limit {MAX_LEDGER_AGE_SECONDS:g}s): a newer one is late"
         return LEDGER_STALE, message, observed
     return None
-
-
-def davinci_devices(snapshot: Snapshot) -> dict[int, int]:
-    """/dev/davinciN's N → the device index (logical id) of the npu findings about that chip. npu.ledger names the
-    node (`device_node`), npu.health the chip's physical id, which is its N; where no physical id is known, N is the
-    logical id (npu-smi on a full host view)."""
-    named: dict[int, int] = {}
-    logical: dict[int, int] = {}
-    for state in snapshot.checks:
-        finding = state.finding
-        if finding.device is None or finding.category != "npu":
-            continue
-        node, physical = finding.observed.get("device_node"), finding.observed.get("physical_id")
-        if isinstance(node, str) and node.startswith("davinci") and node[7:].isdigit():
-            named.setdefault(int(node[7:]), finding.device)
-        elif isinstance(physical, int) and not isinstance(physical, bool):
-            named.setdefault(physical, finding.device)
-        else:
-            logical.setdefault(finding.device, finding.device)
-    return {**logical, **named}
-
-
-def gpu_devices(snapshot: Snapshot) -> tuple[dict[str, int], set[int]]:
-    """The GPUs the results know: ids (lower case) → device index, and the indices."""
-    indices = {state.finding.device for state in snapshot.checks if state.finding.category == "gpu"}
-    return device_index(snapshot), {index for index in indices if index is not None}
 
 
 class PodLedger:
@@ -257,23 +230,21 @@ def map_devices(
         real, why = real_chips((namespace, name), ascend, directory.current(), seen, directory)
         if why:
             return _unknown(namespace, name, POD_DEVICES_UNKNOWN, f"its Ascend chips are not known: {why}", {})
-        chips = davinci_devices(snapshot)
+        chips = chip_indices(state.finding for state in snapshot.checks)
         for allocation in real:
             ids.append(allocation.device_id)
-            ref = ascend_ref(allocation.device_id)
-            if ref is not None and int(ref.key) in chips:
-                devices.add(("npu", chips[int(ref.key)]))
+            chip = chip_of(allocation.device_id, chips)
+            if chip is not None:
+                devices.add(("npu", chip))
             else:
                 unmapped.append(allocation.device_id)
-    known_ids, gpus = gpu_devices(snapshot)
+    known_ids, gpus = gpu_indices(state.finding for state in snapshot.checks)
     claims = []
     for allocation in allocations:
         if allocation.resource.startswith(NVIDIA_PREFIX):
-            key = nvidia_ref(allocation.device_id).key
-            if key.isdigit() and int(key) in gpus:
-                devices.add(("gpu", int(key)))
-            elif key.lower() in known_ids:
-                devices.add(("gpu", known_ids[key.lower()]))
+            gpu = gpu_of_id(allocation.device_id, known_ids, gpus)
+            if gpu is not None:
+                devices.add(("gpu", gpu))
             else:
                 unmapped.append(allocation.device_id)
         elif "/" not in allocation.resource:  # a DRA claim: its resource is the driver's name

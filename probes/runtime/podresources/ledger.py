@@ -27,9 +27,10 @@ ASCEND_PREFIX = "huawei.com/"
 # cannot grow the agent's memory.
 MAX_PODS = 2000
 MAX_IDS = 20000
-_REPLICA = re.compile(r"^(?P<base>.+?)::(?P<replica>\d+)$")
-_ASCEND_CHIP = re.compile(r"^Ascend\w*?-(?P<phy>\d+)$")
-_ASCEND_VNPU = re.compile(r"^Ascend\w*?-(?P<cores>\d+c)-(?P<vdev>\d+)-(?P<phy>\d+)$")
+# ASCII only: \d would take any Unicode decimal digit (Arabic-Indic ones, which int() reads) from a kubelet answer.
+_REPLICA = re.compile(r"^(?P<base>.+?)::(?P<replica>\d+)$", re.ASCII)
+_ASCEND_CHIP = re.compile(r"^Ascend\w*?-(?P<phy>\d+)$", re.ASCII)
+_ASCEND_VNPU = re.compile(r"^Ascend\w*?-(?P<cores>\d+c)-(?P<vdev>\d+)-(?P<phy>\d+)$", re.ASCII)
 
 
 class LedgerError(ValueError):
