@@ -202,6 +202,9 @@ class KubernetesConfig(Section):
     # Which resource.k8s.io version serves DeviceTaintRules is asked again, and the node's slices re-read, this
     # often while devices are isolated.
     dra_recheck_seconds: PositiveSeconds = 600.0
+    # Schedulers whose huawei.com/AscendReal annotation is trusted for a pod's real chips (spec.schedulerName):
+    # a pod's own annotation, from any other scheduler's pod, is ignored (anyone who can create a pod can write it).
+    ascend_real_schedulers: list[str] = ["volcano"]
     mindcluster: MindClusterConfig = MindClusterConfig()
 
     @field_validator("key_prefix")

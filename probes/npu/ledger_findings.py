@@ -92,6 +92,9 @@ class NpuLedger:
     directory: PodDirectory | None = None
     compare: bool = False
     why_not_compared: str = ""
+    # Where an annotation moved a pod's grant: the kubelet-side grants per device number, and what it said.
+    kubelet_side: dict[int, list[Granted]] = field(default_factory=dict)
+    annotations: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def allocations(self, number: int) -> list[Allocation]:
         return [g.allocation for g in self.granted.get(number, [])]
@@ -127,6 +130,11 @@ def npu_ledger(read: LedgerRead, directory: PodDirectory | None, seen: FirstSeen
         real, why = real_chips(pod, allocations, view.index, seen, directory)
         if why:
             view.compare, view.why_not_compared = False, why
+        if real is not allocations:  # Volcano's AscendReal in place of the kubelet-side ids
+            view.annotations[pod] = ", ".join(a.device_id for a in real[:8])
+            for allocation in allocations:
+                if (ref := ascend_ref(allocation.device_id)) is not None:
+                    view.kubelet_side.setdefault(int(ref.key), []).append(Granted(allocation, ref))
         for allocation in real:
             ref = ascend_ref(allocation.device_id)
             if ref is not None:
@@ -175,6 +183,8 @@ def ledger_verdicts(
             for number in chip_numbers_of(holder):
                 per_chip.setdefault(number, []).append(holder)
     verdicts = {n: judge(view.granted.get(n, []), held, view.read.ledger, view.index) for n, held in per_chip.items()}
+    for number, verdict in verdicts.items():
+        verdict.believe_holders(view.kubelet_side.get(number, []), view.annotations)
     if view.directory is not None and any(v.unnamed for v in verdicts.values()):
         view.directory.want_fresh()  # a holder pod neither its OCI bundle nor the pod list names yet
     return verdicts
