@@ -67,7 +67,8 @@ LEDGER_UNAVAILABLE = Reason(
     "LedgerUnavailable",
     Status.UNKNOWN,
     "/ready?pod=: the kubelet's ledger (PodResources API) could not be read (no socket, the kubelet did not answer "
-    "in time or answered an error, nothing read yet), or cannot tell an Ascend pod's chips with Kubernetes off "
+    "in time or answered an error, its answer is larger than the agent reads, nothing read yet), or cannot tell an "
+    "Ascend pod's chips with Kubernetes off "
     "(Volcano's real chips are in the pod list), so the pod's devices are unknown; never ready then",
     "see npu.ledger / gpu.ledger in /status for the read's error; check kubernetes.pod_resources_socket and the "
     "DaemonSet's /var/lib/kubelet/pod-resources mount; deploy/examples/preflight.sh asks about the whole node then",

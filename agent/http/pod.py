@@ -43,7 +43,6 @@ from probes.runtime.podresources.ledger import (
     NVIDIA_PREFIX,
     Allocation,
     Ledger,
-    by_pod,
 )
 from probes.runtime.podresources.pods import PodDirectory
 
@@ -143,7 +142,7 @@ class PodLedger:
         self._timeout = timeout
         self._pods = pods
         self._seen = FirstSeen()
-        self._indexed: tuple[LedgerRead, dict[tuple[str, str], list[Allocation]]] | None = None
+        self._dated = -1.0  # read_mono of the last read whose Ascend pods were dated (no reference to the read kept)
         self._last_attempt = -1e9  # monotonic
         self._lock = threading.Lock()  # refresh() runs in a thread; due() on the loop
         self.refreshes = 0
@@ -157,6 +156,8 @@ class PodLedger:
         """Whether a new read is worth asking for before judging: the last one is over a second old (5 s after
         a failed one)."""
         now_mono = time.monotonic() if now_mono is None else now_mono
+        if ledger_source(self._socket()).busy:
+            return True  # a read is under way (a probe's): wait for it, whose answer replaces the last one
         last = self.last()
         spacing = REFRESH_SECONDS if last is None or last.ok else RETRY_FAILED_SECONDS
         with self._lock:
@@ -196,16 +197,15 @@ class PodLedger:
         return map_devices(snapshot, namespace, name, allocations, self._seen, directory)
 
     def _by_pod(self, read: LedgerRead) -> dict[tuple[str, str], list[Allocation]]:
-        """The read's allocations per pod, made once per read (a ledger holds up to 20,000 ids: not per request);
-        each read also dates the pods with Ascend devices (npu.ledger's rule for Volcano's annotation)."""
-        indexed = self._indexed
-        if indexed is not None and indexed[0] is read:
-            return indexed[1]
+        """The read's allocations per pod, made once per ledger and kept on it (a ledger holds up to 20,000 ids: not
+        per request), so they go with it; each read also dates the pods with Ascend devices (npu.ledger's rule for
+        Volcano's annotation)."""
         ledger: Ledger | None = read.ledger
-        pods = by_pod(ledger.allocations) if ledger is not None else {}
-        ascend = [pod for pod, held in pods.items() if any(a.resource.startswith(ASCEND_PREFIX) for a in held)]
-        self._seen.update(ascend, read.read_at or time.time())
-        self._indexed = (read, pods)
+        pods = ledger.by_pod if ledger is not None else {}
+        if read.read_mono != self._dated:
+            ascend = [pod for pod, held in pods.items() if any(a.resource.startswith(ASCEND_PREFIX) for a in held)]
+            self._seen.update(ascend, read.read_at or time.time())
+            self._dated = read.read_mono
         return pods
 
 
