@@ -8,6 +8,7 @@ section belongs to a probe family, which declares its model beside its probes (`
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
@@ -16,11 +17,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
 from agent.configcompat import ConfigNotes, newer_release_note, take_config_version, without_keys
 from agent.configfile import ERROR_MESSAGE_CHARS, ConfigFileError, excerpt, parse_yaml, read_bounded
 from probes import all_families
+from probes.base import CATEGORIES, COMMON_REASONS
 from probes.family import PositiveSeconds, Section, family_settings
 from probes.text import clip
 
@@ -200,6 +202,9 @@ class KubernetesConfig(Section):
     # Which resource.k8s.io version serves DeviceTaintRules is asked again, and the node's slices re-read, this
     # often while devices are isolated.
     dra_recheck_seconds: PositiveSeconds = 600.0
+    # Schedulers whose huawei.com/AscendReal annotation is trusted for a pod's real chips (spec.schedulerName):
+    # a pod's own annotation, from any other scheduler's pod, is ignored (anyone who can create a pod can write it).
+    ascend_real_schedulers: list[str] = ["volcano"]
     mindcluster: MindClusterConfig = MindClusterConfig()
 
     @field_validator("key_prefix")
@@ -305,13 +310,35 @@ def _format_location(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+def did_you_mean(word: str, candidates: Any) -> str:
+    """` (did you mean 'dry_run'?)` for the closest candidate (difflib), "" when none is close."""
+    close = difflib.get_close_matches(word, [str(c) for c in candidates], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model allows where `loc` ends (loc's last part is the unknown key itself)."""
+    model: Any = config_model()
+    for part in loc[:-1]:
+        if isinstance(part, int) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+        field = model.model_fields.get(str(part))
+        if field is None:  # a dict's key (probes.<name>): its values' model
+            continue
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ())
+        model = args[-1] if args else annotation
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
 def _describe_errors(exc: ValidationError) -> str:
     lines = []
     for error in exc.errors():
         key = _format_location(tuple(error["loc"]))
         if error["type"] == "extra_forbidden":
             parent = key.rsplit(".", 1)[0] if "." in key else ""
-            lines.append(f"config key {key}: unknown key" + (f" under {parent}" if parent else ""))
+            hint = did_you_mean(str(error["loc"][-1]), _keys_at(tuple(error["loc"])))
+            lines.append(f"config key {key}: unknown key" + (f" under {parent}" if parent else "") + hint)
         else:
             lines.append(
                 f"config key {key}: {clip(str(error['msg']), ERROR_MESSAGE_CHARS)} (got {excerpt(error.get('input'))})"
@@ -359,7 +386,40 @@ def _parse(data: Any, known_probes: dict[str, Any] | None, tolerant: bool) -> tu
             unknown.extend(removed)
         except (RecursionError, ValueError, OverflowError) as exc:  # a value no validator can even look at
             raise ConfigError(f"config: unreadable value: {clip(str(exc), ERROR_MESSAGE_CHARS)}") from None
+    if known_probes is not None:
+        names = unknown_names(config, known_probes)
+        if names and not tolerant:
+            more = f"; and {len(names) - 10} more" if len(names) > 10 else ""
+            raise ConfigError("; ".join(f"config key {name}" for name in names[:10]) + more)
+        unknown.extend(names)
     return config, ConfigNotes(tuple(unknown), config_version)
+
+
+def unknown_names(config: Config, known_probes: dict[str, Any]) -> list[str]:
+    """The entries of health.required_checks, kubernetes.disabled_checks, kubernetes.disabled_reasons and
+    kubernetes.effects that name no declared check, category or reason: they would select nothing, silently
+    (`storage.mount` for storage.mounts). Each as `key[i] ('name' ...; did you mean ...)`."""
+    from agent.ready import selector_known  # agent.ready is the one definition of what a selector selects
+    from agent.reasons import AGENT_REASONS
+
+    checks = sorted({check for cls in known_probes.values() for check in getattr(cls, "checks", ())})
+    declared = (*AGENT_REASONS, *COMMON_REASONS, *(r for cls in known_probes.values() for r in cls.reasons))
+    reasons = sorted({reason.code for reason in declared})
+    selectors = [*checks, *CATEGORIES]
+    out: list[str] = []
+    named = [
+        ("health.required_checks", config.health.required_checks, selectors, "check or category"),
+        ("kubernetes.disabled_checks", config.kubernetes.disabled_checks, selectors, "check or category"),
+        ("kubernetes.disabled_reasons", config.kubernetes.disabled_reasons, reasons, "reason"),
+        ("kubernetes.effects", list(config.kubernetes.effects), reasons, "reason"),
+    ]
+    for key, values, known, what in named:
+        for i, value in enumerate(values):
+            ok = selector_known(value, checks) if what != "reason" else value in reasons
+            if not ok:
+                where = f"{key}.{value}" if key == "kubernetes.effects" else f"{key}[{i}]"
+                out.append(f"{where}: {clip(value, 64)!r} is no declared {what}{did_you_mean(value, known)}")
+    return out
 
 
 def _without_unknown_probes(

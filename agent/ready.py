@@ -12,7 +12,7 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from agent.reasons import HBM_BELOW_REQUEST, HOST_MEM_BELOW_REQUEST, NO_FRESH_RESULT
+from agent.reasons import HBM_BELOW_REQUEST, HOST_MEM_BELOW_REQUEST, NO_FRESH_RESULT, NO_SUCH_DEVICE
 from agent.snapshot import CheckState, Snapshot, Verdict
 from probes.base import (
     CATEGORIES,
@@ -354,6 +354,9 @@ def judge(snapshot: Snapshot, query: ReadyQuery, now: float | None = None) -> Ve
         min_host_mem_mib=query.min_host_mem_mib,
         min_hugepages=query.min_hugepages,
     )
+    absent = absent_devices(snapshot, query, devices)
+    if absent:
+        verdict = Verdict(False, verdict.reasons + absent, verdict.age_seconds)
     if not unresolved:
         return verdict
     unknown_gpu = tuple(
@@ -368,3 +371,33 @@ def judge(snapshot: Snapshot, query: ReadyQuery, now: float | None = None) -> Ve
         )
     extra = tuple(finding for finding in unknown_gpu if finding not in verdict.reasons)
     return Verdict(False, verdict.reasons + extra, verdict.age_seconds)
+
+
+DEVICES_CHECK = Check("ready.devices")
+
+
+def absent_devices(snapshot: Snapshot, query: ReadyQuery, devices: Collection[int] | None) -> tuple[Finding, ...]:
+    """NoSuchDevice findings: device indices the query names that no result of this node carries, and
+    min_hbm_free_mib asked where no considered device reports free device memory. Never ready on a guess: a node
+    is never vouched for devices it does not have."""
+    present = {state.finding.device for state in snapshot.checks if state.finding.device is not None}
+    out: list[Finding] = []
+    missing = sorted(set(query.device_indices or ()) - present)
+    if missing:
+        have = ", ".join(map(str, sorted(present))) or "none"
+        named = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        message = f"devices={named}: no result of this node names such a device (its devices: {have})"
+        out.append(DEVICES_CHECK.report(NO_SUCH_DEVICE, "", message, {"missing": missing[:MAX_DEVICES]}))
+    if query.min_hbm_free_mib is not None and not any(
+        OBSERVED_HBM_FREE_MIB in state.finding.observed
+        for state in snapshot.checks
+        if state.finding.device is not None
+        and (devices is None or state.finding.device in devices)
+        and (query.device_keys is None or (state.finding.category, state.finding.device) in query.device_keys)
+    ):
+        message = (
+            f"min_hbm_free_mib={query.min_hbm_free_mib:g}: no considered device of this node reports free device "
+            "memory (no accelerator here, or none of those asked for)"
+        )
+        out.append(DEVICES_CHECK.report(NO_SUCH_DEVICE, "hbm", message))
+    return tuple(out)

@@ -51,6 +51,15 @@ HOST_MEM_BELOW_REQUEST = Reason(
     "hugepages at all)",
     also=(Status.UNKNOWN,),
 )
+NO_SUCH_DEVICE = Reason(
+    "NoSuchDevice",
+    Status.FAIL,
+    "/ready?devices=N names a device index no npu or gpu result of this node carries (a 4-chip node asked for "
+    "device 7), or min_hbm_free_mib=N was asked of a node where no considered device reports free device memory "
+    "(no accelerator at all): the agent cannot vouch for what the node does not have; never ready then",
+    "ask the agent of the node the job is placed on, with the devices the device plugin gave the job "
+    "(*_VISIBLE_DEVICES, or pod=<namespace>/<name>); /status lists the node's devices",
+)
 
 # /ready?pod=<namespace>/<name> (agent/http/pod.py): the pod's devices come from the kubelet's ledger; when they
 # cannot be told the answer is not ready with one of these, unless the query gave devices= to fall back to.
@@ -58,7 +67,8 @@ LEDGER_UNAVAILABLE = Reason(
     "LedgerUnavailable",
     Status.UNKNOWN,
     "/ready?pod=: the kubelet's ledger (PodResources API) could not be read (no socket, the kubelet did not answer "
-    "in time or answered an error, nothing read yet), or cannot tell an Ascend pod's chips with Kubernetes off "
+    "in time or answered an error, its answer is larger than the agent reads, nothing read yet), or cannot tell an "
+    "Ascend pod's chips with Kubernetes off "
     "(Volcano's real chips are in the pod list), so the pod's devices are unknown; never ready then",
     "see npu.ledger / gpu.ledger in /status for the read's error; check kubernetes.pod_resources_socket and the "
     "DaemonSet's /var/lib/kubelet/pod-resources mount; deploy/examples/preflight.sh asks about the whole node then",
@@ -96,6 +106,7 @@ AGENT_REASONS: tuple[Reason, ...] = (
     PROBE_ERROR,
     HBM_BELOW_REQUEST,
     HOST_MEM_BELOW_REQUEST,
+    NO_SUCH_DEVICE,
     LEDGER_UNAVAILABLE,
     LEDGER_STALE,
     POD_NOT_IN_LEDGER,

@@ -12,9 +12,12 @@ POD_RESOURCES_UNAVAILABLE = Reason(
     Status.UNKNOWN,
     "the kubelet's PodResources API had not answered by the end of the probe's run (a quarter second after its own "
     "checks; the read goes on), did not answer within kubernetes.pod_resources_timeout_seconds, answered an error "
-    "(UNAVAILABLE, RESOURCE_EXHAUSTED) or sent what is not a ledger; the holder checks stand without it",
+    "(UNAVAILABLE, RESOURCE_EXHAUSTED), sent what is not a ledger, or sent an answer larger than the agent reads "
+    "(TOO_LARGE: more pods, containers or device ids, or a longer message, than docs/probes/npu.md's bounds admit; "
+    "nothing of it is kept); the holder checks stand without it",
     "check the kubelet (`systemctl status kubelet`), the socket kubernetes.pod_resources_socket and the DaemonSet's "
-    "pod-resources mount; the message names the error",
+    "pod-resources mount; the message names the error (for TOO_LARGE, the part and its size: a device plugin "
+    "offering that many ids?)",
 )
 
 

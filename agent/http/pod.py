@@ -31,20 +31,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.ready import device_index, echo
+from agent.ready import echo
 from agent.reasons import LEDGER_STALE, LEDGER_UNAVAILABLE, POD_DEVICES_UNKNOWN, POD_NOT_IN_LEDGER
 from agent.snapshot import Snapshot
 from probes.base import Check, Finding, Reason
-from probes.npu.ledger_findings import FirstSeen, real_chips
+from probes.gpu.ledger_findings import gpu_indices, gpu_of_id
+from probes.npu.ledger_findings import FirstSeen, chip_indices, chip_of, real_chips
 from probes.runtime.podresources.client import STARTUP_ALLOWANCE_SECONDS, LedgerRead, last_read, ledger_source
 from probes.runtime.podresources.ledger import (
     ASCEND_PREFIX,
     NVIDIA_PREFIX,
     Allocation,
     Ledger,
-    ascend_ref,
-    by_pod,
-    nvidia_ref,
 )
 from probes.runtime.podresources.pods import PodDirectory
 
@@ -129,32 +127,6 @@ def read_problem(read: LedgerRead | None, now: float) -> tuple[Reason, str, dict
     return None
 
 
-def davinci_devices(snapshot: Snapshot) -> dict[int, int]:
-    """/dev/davinciN's N → the device index (logical id) of the npu findings about that chip. npu.ledger names the
-    node (`device_node`), npu.health the chip's physical id, which is its N; where no physical id is known, N is the
-    logical id (npu-smi on a full host view)."""
-    named: dict[int, int] = {}
-    logical: dict[int, int] = {}
-    for state in snapshot.checks:
-        finding = state.finding
-        if finding.device is None or finding.category != "npu":
-            continue
-        node, physical = finding.observed.get("device_node"), finding.observed.get("physical_id")
-        if isinstance(node, str) and node.startswith("davinci") and node[7:].isdigit():
-            named.setdefault(int(node[7:]), finding.device)
-        elif isinstance(physical, int) and not isinstance(physical, bool):
-            named.setdefault(physical, finding.device)
-        else:
-            logical.setdefault(finding.device, finding.device)
-    return {**logical, **named}
-
-
-def gpu_devices(snapshot: Snapshot) -> tuple[dict[str, int], set[int]]:
-    """The GPUs the results know: ids (lower case) → device index, and the indices."""
-    indices = {state.finding.device for state in snapshot.checks if state.finding.category == "gpu"}
-    return device_index(snapshot), {index for index in indices if index is not None}
-
-
 class PodLedger:
     """What /ready?pod= reads: the latest ledger read (never blocking), the node's pods for Volcano's real chips, and
     when each pod with Ascend devices was first seen in the ledger. `resolve` runs on the HTTP loop (it only reads
@@ -170,7 +142,7 @@ class PodLedger:
         self._timeout = timeout
         self._pods = pods
         self._seen = FirstSeen()
-        self._indexed: tuple[LedgerRead, dict[tuple[str, str], list[Allocation]]] | None = None
+        self._dated = -1.0  # read_mono of the last read whose Ascend pods were dated (no reference to the read kept)
         self._last_attempt = -1e9  # monotonic
         self._lock = threading.Lock()  # refresh() runs in a thread; due() on the loop
         self.refreshes = 0
@@ -184,6 +156,8 @@ class PodLedger:
         """Whether a new read is worth asking for before judging: the last one is over a second old (5 s after
         a failed one)."""
         now_mono = time.monotonic() if now_mono is None else now_mono
+        if ledger_source(self._socket()).busy:
+            return True  # a read is under way (a probe's): wait for it, whose answer replaces the last one
         last = self.last()
         spacing = REFRESH_SECONDS if last is None or last.ok else RETRY_FAILED_SECONDS
         with self._lock:
@@ -223,16 +197,15 @@ class PodLedger:
         return map_devices(snapshot, namespace, name, allocations, self._seen, directory)
 
     def _by_pod(self, read: LedgerRead) -> dict[tuple[str, str], list[Allocation]]:
-        """The read's allocations per pod, made once per read (a ledger holds up to 20,000 ids: not per request);
-        each read also dates the pods with Ascend devices (npu.ledger's rule for Volcano's annotation)."""
-        indexed = self._indexed
-        if indexed is not None and indexed[0] is read:
-            return indexed[1]
+        """The read's allocations per pod, made once per ledger and kept on it (a ledger holds up to 20,000 ids: not
+        per request), so they go with it; each read also dates the pods with Ascend devices (npu.ledger's rule for
+        Volcano's annotation)."""
         ledger: Ledger | None = read.ledger
-        pods = by_pod(ledger.allocations) if ledger is not None else {}
-        ascend = [pod for pod, held in pods.items() if any(a.resource.startswith(ASCEND_PREFIX) for a in held)]
-        self._seen.update(ascend, read.read_at or time.time())
-        self._indexed = (read, pods)
+        pods = ledger.by_pod if ledger is not None else {}
+        if read.read_mono != self._dated:
+            ascend = [pod for pod, held in pods.items() if any(a.resource.startswith(ASCEND_PREFIX) for a in held)]
+            self._seen.update(ascend, read.read_at or time.time())
+            self._dated = read.read_mono
         return pods
 
 
@@ -257,23 +230,21 @@ def map_devices(
         real, why = real_chips((namespace, name), ascend, directory.current(), seen, directory)
         if why:
             return _unknown(namespace, name, POD_DEVICES_UNKNOWN, f"its Ascend chips are not known: {why}", {})
-        chips = davinci_devices(snapshot)
+        chips = chip_indices(state.finding for state in snapshot.checks)
         for allocation in real:
             ids.append(allocation.device_id)
-            ref = ascend_ref(allocation.device_id)
-            if ref is not None and int(ref.key) in chips:
-                devices.add(("npu", chips[int(ref.key)]))
+            chip = chip_of(allocation.device_id, chips)
+            if chip is not None:
+                devices.add(("npu", chip))
             else:
                 unmapped.append(allocation.device_id)
-    known_ids, gpus = gpu_devices(snapshot)
+    known_ids, gpus = gpu_indices(state.finding for state in snapshot.checks)
     claims = []
     for allocation in allocations:
         if allocation.resource.startswith(NVIDIA_PREFIX):
-            key = nvidia_ref(allocation.device_id).key
-            if key.isdigit() and int(key) in gpus:
-                devices.add(("gpu", int(key)))
-            elif key.lower() in known_ids:
-                devices.add(("gpu", known_ids[key.lower()]))
+            gpu = gpu_of_id(allocation.device_id, known_ids, gpus)
+            if gpu is not None:
+                devices.add(("gpu", gpu))
             else:
                 unmapped.append(allocation.device_id)
         elif "/" not in allocation.resource:  # a DRA claim: its resource is the driver's name

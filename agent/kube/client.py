@@ -240,10 +240,12 @@ class KubeApi:
         return self._call("PATCH", path, body=body, content_type=STRATEGIC_MERGE)
 
     # pods: list (this node's, metadata only, from the API server's cache)
-    def list_node_pods_metadata(self, node: str) -> list[dict[str, Any]]:
+    def list_node_pods_metadata(self, node: str, scheduler: str = "") -> list[dict[str, Any]]:
         """The metadata of the pods bound to `node` (spec.nodeName field selector, resourceVersion=0: served from
-        the watch cache, not etcd; no spec or status)."""
-        query = [("fieldSelector", f"spec.nodeName={node}"), ("resourceVersion", "0")]
+        the watch cache, not etcd; no spec or status); with `scheduler`, only the pods it placed
+        (spec.schedulerName, a field selector the API server serves for pods)."""
+        selector = f"spec.nodeName={node}" + (f",spec.schedulerName={scheduler}" if scheduler else "")
+        query = [("fieldSelector", selector), ("resourceVersion", "0")]
         answer = self._call("GET", "/api/v1/pods", query=query, accept=METADATA_LIST)
         return [dict(item.get("metadata") or {}) for item in answer.get("items") or []]
 

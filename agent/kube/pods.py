@@ -8,6 +8,12 @@ Kubernetes side's `NodePods` to it once that side runs. Data flows one way throu
 (Kubernetes off) the feed has no list, which the checks read as "the node's pod list is not available". The
 feed itself loads nothing of the kubernetes client (the daemon imports it at start, Kubernetes or not).
 
+AscendReal is kept only for the pods Volcano placed: a pod's annotations are written by whoever creates the pod,
+so a tenant's own `huawei.com/AscendReal` on a pod of any other scheduler would name chips the kubelet never gave
+it, and make the pod look like it holds its own chip outside its allocation. Which pods a trusted scheduler
+placed (`kubernetes.ascend_real_schedulers`, default `volcano`) is a second metadata list with a field selector
+on spec.schedulerName, which only the API server sets from the pod's spec (a pod cannot claim it by annotation).
+
 The list is this node's pods' metadata only (`KubeApi.list_node_pods_metadata`: a field selector on
 spec.nodeName, resourceVersion=0 so the API server answers from its watch cache), made in this module's own
 thread: once at start, then only when a probe asks (`want_fresh`: a pod the list does not know yet, or one newer
@@ -20,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from probes.runtime.podresources.ledger import ASCEND_REAL_ANNOTATION
@@ -37,15 +43,19 @@ KEPT_ANNOTATIONS = (ASCEND_REAL_ANNOTATION,)
 MAX_ANNOTATION_CHARS = 1024
 
 
-def pod_index(items: list[dict[str, Any]], fetched_at: float) -> PodIndex:
-    """The list's pods, with only the annotations the checks read (bounded)."""
+def pod_index(items: list[dict[str, Any]], fetched_at: float, trusted: Collection[str] = frozenset()) -> PodIndex:
+    """The list's pods, with only the annotations the checks read (bounded); AscendReal only on the pods whose UID
+    is in `trusted` (placed by a trusted scheduler)."""
     pods = []
     for metadata in items[:MAX_PODS]:
         annotations = metadata.get("annotations") or {}
+        uid = str(metadata.get("uid", ""))
         kept = {
             key: str(annotations[key])[:MAX_ANNOTATION_CHARS]
             for key in KEPT_ANNOTATIONS
-            if isinstance(annotations, dict) and key in annotations
+            if isinstance(annotations, dict)
+            and key in annotations
+            and (key != ASCEND_REAL_ANNOTATION or uid in trusted)
         }
         pods.append(
             PodMeta(
@@ -85,8 +95,10 @@ class NodePods:
         node: str,
         clock: Callable[[], float] = time.time,
         min_interval: float = MIN_SECONDS_BETWEEN_LISTS,
+        schedulers: Callable[[], Collection[str]] = lambda: ("volcano",),
     ) -> None:
         self._api = api
+        self._schedulers = schedulers
         self.node = node
         self._clock = clock
         self._min_interval = min_interval
@@ -115,13 +127,21 @@ class NodePods:
         self._last_attempt = time.monotonic()
         started = self._clock()
         try:
-            items = self._api().list_node_pods_metadata(self.node)
+            api = self._api()
+            items = api.list_node_pods_metadata(self.node)
+            # One list per trusted scheduler; a failed one fails the whole refresh (the previous list stays):
+            # without it Volcano's pods would lose their real chips and look like they hold chips not theirs.
+            trusted = {
+                str(item.get("uid", ""))
+                for scheduler in tuple(self._schedulers())[:8]
+                for item in api.list_node_pods_metadata(self.node, scheduler)[:MAX_PODS]
+            }
         except Exception as exc:  # noqa: BLE001 - any failure keeps the previous list
             if short_error(exc) != self.last_error:
                 log.warning("listing the node's pods failed: %s", short_error(exc))
             self.last_error = short_error(exc)
             return False
-        self._index = pod_index(items, started)
+        self._index = pod_index(items, started, trusted)
         self.lists += 1
         self.last_error = ""
         return True

@@ -107,7 +107,9 @@ class KubeAgent:
         self.errors: Counter[str] = Counter()
         self.recent_writes: deque[dict[str, Any]] = deque(maxlen=20)
         # The node's pods for the npu and gpu checks against the device plugin's ledger (its own thread).
-        self.pods = NodePods(self._api, node_name)
+        self.pods = NodePods(
+            self._api, node_name, schedulers=lambda: tuple(self._config.kubernetes.ascend_real_schedulers)
+        )
         self.would_write: list[dict[str, Any]] = []
         self._last_would_logged: list[str] = []
         self.last_error = ""

@@ -12,6 +12,9 @@ from probes.family import PositiveSeconds, Section
 class GpuConfig(Section):
     # GPUs expected on this node; None: one per /dev/nvidiaN node.
     expected_gpus: int | None = Field(None, ge=0)
+    # On a node with /dev/nvidiaN nodes (or gpu.expected_gpus), GPUs whose health cannot be read (GpuToolMissing,
+    # the driver unreachable) block readiness (the findings say `required`); false: the node may be ready meanwhile.
+    unreadable_blocks_ready: bool = True
     # Free framebuffer below this many MiB → GpuMemoryLow; 0 disables.
     min_free_mib: float = Field(0, ge=0)
     # Framebuffer in use with no process on the GPU above this many MiB → GpuMemoryLeaked.

@@ -27,6 +27,7 @@ from probes.base import (
     ProbeContext,
     ProbeOutput,
     Sample,
+    Status,
     register,
 )
 from probes.gpu.backends import Tools, Unavailable, find_tools, read_inventory
@@ -94,12 +95,12 @@ class GpuProbe(Probe):
         expected = cfg.expected_gpus if cfg.expected_gpus is not None else len(minors)
         tools = find_tools(ctx, cfg)
         if not tools.any:
-            return _tool_missing(expected, minors, tools)
+            return required_when_unreadable(_tool_missing(expected, minors, tools), expected, cfg)
         # The device plugin's ledger is read in a child while the GPUs are read and their holders scanned.
         pending = ledger_source(ctx.kubelet.socket).start(ctx.kubelet.timeout)
         inventory = read_inventory(ctx, cfg, tools)
         if isinstance(inventory, Unavailable):
-            return _unavailable(expected, inventory)
+            return required_when_unreadable(_unavailable(expected, inventory), expected, cfg)
         if not inventory.gpus and not inventory.failures and expected == 0:
             message = f"{inventory.source} reports no NVIDIA GPU on this host"
             return [check.report(NOT_APPLICABLE, "", message) for check in CHECKS]
@@ -152,6 +153,18 @@ def _with_identity(finding: Finding, gpus: dict[int, GpuState]) -> Finding:
     if gpu is not None and gpu.minor is not None:
         observed[OBSERVED_DEVICE_MINOR] = gpu.minor
     return replace(finding, observed=observed)
+
+
+def required_when_unreadable(output: ProbeOutput, expected: int, cfg: GpuConfig) -> ProbeOutput:
+    """Never ready on a guess: where GPUs are expected (/dev/nvidiaN nodes, gpu.expected_gpus) and cannot be read,
+    the unknown findings block readiness whatever health.required_checks says, unless the operator opted out
+    (gpu.unreadable_blocks_ready: false)."""
+    if expected == 0 or not cfg.unreadable_blocks_ready:
+        return output
+    return [
+        replace(item, required=True) if isinstance(item, Finding) and item.status == Status.UNKNOWN else item
+        for item in output
+    ]
 
 
 def _tool_missing(expected: int, minors: list[int], tools: Tools) -> ProbeOutput:

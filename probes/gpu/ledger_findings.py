@@ -13,11 +13,11 @@ their clients and are not judged against it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import OBSERVED_ALLOCATED_TO, Finding, Status
+from probes.base import OBSERVED_ALLOCATED_TO, OBSERVED_DEVICE_IDS, Finding, Status
 from probes.gpu.model import GpuState
 from probes.gpu.reasons import GPU_DEVICE_PLUGIN_UNHEALTHY, LEDGER
 from probes.ledger import unread_ledger
@@ -41,12 +41,43 @@ class GpuLedger:
         return [g.allocation for g in self.granted.get(gpu, [])]
 
 
+def ascii_index(key: str) -> int | None:
+    """A device index written in ASCII digits (str.isdigit() accepts `²`, which int() refuses), at most 5."""
+    return int(key) if 0 < len(key) <= 5 and key.isascii() and key.isdigit() else None
+
+
 def gpu_of(key: str, gpus: Sequence[GpuState]) -> int | None:
     """The index of the GPU a ledger id's base names: its UUID, one of its MIG devices, or its index."""
+    index = ascii_index(key)
     for gpu in gpus:
-        if key == gpu.uuid or key in gpu.mig_uuids or (key.isdigit() and int(key) == gpu.index):
+        if key == gpu.uuid or key in gpu.mig_uuids or (index is not None and index == gpu.index):
             return gpu.index
     return None
+
+
+def gpu_indices(findings: Iterable[Finding]) -> tuple[dict[str, int], set[int]]:
+    """The GPUs the results know (pure): their ids (OBSERVED_DEVICE_IDS, lower case) → device index, and the
+    indices."""
+    ids: dict[str, int] = {}
+    indices: set[int] = set()
+    for finding in findings:
+        if finding.device is None or finding.category != "gpu":
+            continue
+        indices.add(finding.device)
+        for ident in finding.observed.get(OBSERVED_DEVICE_IDS) or ():
+            if isinstance(ident, str):
+                ids.setdefault(ident.lower(), finding.device)
+    return ids, indices
+
+
+def gpu_of_id(device_id: str, ids: Mapping[str, int], indices: Iterable[int]) -> int | None:
+    """The device index of an `nvidia.com/...` ledger id (`GPU-<uuid>`, `MIG-<uuid>`, `<id>::N` replicas, an
+    index) through `gpu_indices`; None when no result names it."""
+    key = nvidia_ref(device_id).key
+    index = ascii_index(key)
+    if index is not None and index in indices:
+        return index
+    return ids.get(key.lower())
 
 
 def gpu_ledger(read: LedgerRead, gpus: Sequence[GpuState], directory: PodDirectory | None) -> GpuLedger:

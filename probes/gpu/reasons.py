@@ -113,7 +113,8 @@ GPU_TOOL_MISSING = Reason(
     "NVIDIA device nodes (or gpu.expected_gpus) but neither libnvidia-ml.so.1 nor nvidia-smi, on the loader "
     "path, on PATH or under the driver root (gpu.driver_root)",
     "point gpu.nvml_library, gpu.smi_command or gpu.driver_root at the driver (GPU Operator: /run/nvidia/driver, "
-    "mounted from the host)",
+    "mounted from the host); the node is not ready meanwhile (the finding is required; "
+    "gpu.unreadable_blocks_ready: false lets a node whose GPUs cannot be read be ready)",
 )
 GPU_HELD_OUTSIDE_ALLOCATION = Reason(
     "GpuHeldOutsideAllocation",

@@ -15,6 +15,9 @@ class NpuConfig(Section):
     min_hbm_free_mib: float = Field(0, ge=0)
     # Chips expected on this node; None: one per /dev/davinciN node.
     expected_chips: int | None = Field(None, ge=0)
+    # On a node with /dev/davinciN nodes, chips whose health cannot be read (NpuToolMissing, a table not understood
+    # or cut short) block readiness (the findings say `required`); false: such a node may be ready meanwhile.
+    unreadable_blocks_ready: bool = True
     # npu-smi health word → status.
     health_status: dict[str, Literal["ok", "warn", "fail"]] = {
         "OK": "ok",

@@ -19,6 +19,7 @@ from probes.npu.findings import chip_subject
 from probes.npu.info_table import NpuChip
 from probes.npu.reasons import (
     HOLDERS,
+    NPU_ALLOCATION_DISAGREES,
     NPU_HELD_OUT_OF_BAND,
     NPU_HELD_OUTSIDE_ALLOCATION,
     NPU_HOLDER_SCAN_FAILED,
@@ -151,14 +152,26 @@ def _chip_finding(
 
 def _ledger_problems(node: str, verdict: DeviceVerdict | None, redact: bool) -> list[tuple[Reason, str, str]]:
     """A pod holding the chip although the device plugin's ledger gave it to no pod, or to another."""
-    if verdict is None or not verdict.held_outside:
+    if verdict is None:
         return []
+    disagreements = [
+        (
+            NPU_ALLOCATION_DISAGREES,
+            f"{node} is held by {pod.describe()} ({describe_holders(members, redact)}), which the kubelet's ledger "
+            f"allocated it to, while the pod's huawei.com/AscendReal names {said or 'other chips'}: the holder scan "
+            "is believed",
+            NPU_ALLOCATION_DISAGREES.hint,
+        )
+        for pod, members, said in verdict.disagrees
+    ]
+    if not verdict.held_outside:
+        return disagreements
     wrong = [members[0] for _, members in verdict.outside]
     hint = (
         f"delete the pod that holds it without an allocation ({stop_hint(wrong)}): the next job the device plugin "
         "gives the chip to fails with -8020 / davinci already in use"
     )
-    return [(NPU_HELD_OUTSIDE_ALLOCATION, outside_message(node, verdict, redact), hint)]
+    return [(NPU_HELD_OUTSIDE_ALLOCATION, outside_message(node, verdict, redact), hint), *disagreements]
 
 
 def _shared_nodes_finding(outside: list[Holder], scan: HolderScan, kept: int, ignored: int, redact: bool) -> Finding:

@@ -17,11 +17,11 @@ would look like it holds a chip it was not given); what the plugin offers is sti
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from probes.base import OBSERVED_ALLOCATED_TO, Finding, Status
+from probes.base import OBSERVED_ALLOCATED_TO, OBSERVED_PHYSICAL_ID, Finding, Status
 from probes.ledger import unread_ledger
 from probes.npu.findings import chip_subject
 from probes.npu.info_table import NpuChip
@@ -42,6 +42,43 @@ from probes.runtime.podresources.pods import PodDirectory, PodIndex
 
 _DAVINCI_PREFIX = "davinci"
 MAX_TRACKED_PODS = 4096
+# observed key of the npu findings about one chip: the device node it is (`davinci3`).
+OBSERVED_DEVICE_NODE = "device_node"
+
+
+def davinci_number(name: str) -> int | None:
+    """N of `davinciN`, ASCII digits only (str.isdigit() accepts `²`, which int() refuses), at most 5 of them."""
+    digits = name[len(_DAVINCI_PREFIX) :] if name.startswith(_DAVINCI_PREFIX) else ""
+    return int(digits) if 0 < len(digits) <= 5 and digits.isascii() and digits.isdigit() else None
+
+
+def chip_indices(findings: Iterable[Finding]) -> dict[int, int]:
+    """/dev/davinciN's N → the device index (logical id) of the npu findings about that chip (pure). npu.ledger
+    names the node (OBSERVED_DEVICE_NODE), npu.health the chip's physical id, which is its N; where no physical id
+    is known, N is the logical id (npu-smi on a full host view)."""
+    named: dict[int, int] = {}
+    logical: dict[int, int] = {}
+    for finding in findings:
+        if finding.device is None or finding.category != "npu":
+            continue
+        node, physical = finding.observed.get(OBSERVED_DEVICE_NODE), finding.observed.get(OBSERVED_PHYSICAL_ID)
+        number = davinci_number(node) if isinstance(node, str) else None
+        if number is not None:
+            named.setdefault(number, finding.device)
+        elif isinstance(physical, int) and not isinstance(physical, bool):
+            named.setdefault(physical, finding.device)
+        else:
+            logical.setdefault(finding.device, finding.device)
+    return {**logical, **named}
+
+
+def chip_of(device_id: str, chips: Mapping[int, int]) -> int | None:
+    """The device index of a ledger id (`Ascend910-<phy>`, a vNPU's `Ascend910-2c-<vdev>-<phy>`) through
+    `chip_indices`; None when it names no chip the results know."""
+    ref = ascend_ref(device_id)
+    if ref is None or not (ref.key.isascii() and ref.key.isdigit()):
+        return None
+    return chips.get(int(ref.key))
 
 
 @dataclass
@@ -55,6 +92,9 @@ class NpuLedger:
     directory: PodDirectory | None = None
     compare: bool = False
     why_not_compared: str = ""
+    # Where an annotation moved a pod's grant: the kubelet-side grants per device number, and what it said.
+    kubelet_side: dict[int, list[Granted]] = field(default_factory=dict)
+    annotations: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def allocations(self, number: int) -> list[Allocation]:
         return [g.allocation for g in self.granted.get(number, [])]
@@ -90,6 +130,11 @@ def npu_ledger(read: LedgerRead, directory: PodDirectory | None, seen: FirstSeen
         real, why = real_chips(pod, allocations, view.index, seen, directory)
         if why:
             view.compare, view.why_not_compared = False, why
+        if real is not allocations:  # Volcano's AscendReal in place of the kubelet-side ids
+            view.annotations[pod] = ", ".join(a.device_id for a in real[:8])
+            for allocation in allocations:
+                if (ref := ascend_ref(allocation.device_id)) is not None:
+                    view.kubelet_side.setdefault(int(ref.key), []).append(Granted(allocation, ref))
         for allocation in real:
             ref = ascend_ref(allocation.device_id)
             if ref is not None:
@@ -123,7 +168,7 @@ def real_chips(
 
 
 def chip_numbers_of(holder: Holder) -> list[int]:
-    return [int(t[len(_DAVINCI_PREFIX) :]) for t in holder.things if t.startswith(_DAVINCI_PREFIX) and t[7:].isdigit()]
+    return [n for t in holder.things if (n := davinci_number(t)) is not None]
 
 
 def ledger_verdicts(
@@ -138,6 +183,8 @@ def ledger_verdicts(
             for number in chip_numbers_of(holder):
                 per_chip.setdefault(number, []).append(holder)
     verdicts = {n: judge(view.granted.get(n, []), held, view.read.ledger, view.index) for n, held in per_chip.items()}
+    for number, verdict in verdicts.items():
+        verdict.believe_holders(view.kubelet_side.get(number, []), view.annotations)
     if view.directory is not None and any(v.unnamed for v in verdicts.values()):
         view.directory.want_fresh()  # a holder pod neither its OCI bundle nor the pod list names yet
     return verdicts
@@ -176,7 +223,7 @@ def _chip_ledger(
     device = chip.logical_id if chip else number
     allocations = view.allocations(number)
     observed: dict[str, Any] = {
-        "device_node": f"davinci{number}",
+        OBSERVED_DEVICE_NODE: f"davinci{number}",
         OBSERVED_ALLOCATED_TO: [a.to_dict() for a in allocations[:10]],
     }
     where = "free in the ledger" if not allocations else f"allocated to {_pods(allocations)}"

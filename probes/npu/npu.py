@@ -154,7 +154,7 @@ class NpuProbe(Probe):
         pending = ledger_source(ctx.kubelet.socket).start(ctx.kubelet.timeout)
         scan = self._scan(ctx, settings)
         info, table_findings = self._table(ctx, settings, davinci)
-        out: ProbeOutput = list(table_findings)
+        out: ProbeOutput = list(required_when_unreadable(table_findings, bool(davinci), settings))
         chips: tuple[NpuChip, ...] = ()
         proc_mem_errors: dict[ChipKey, str] = {}
         if info is not None:
@@ -408,6 +408,15 @@ def _tool_missing(ctx: ProbeContext, settings: NpuConfig, davinci: list[int]) ->
             "npu-smi needs the host's driver libraries)"
         )
     return [check.report(NPU_TOOL_MISSING, "", message, observed, hint=hint) for check in (SMI, HEALTH, HBM)]
+
+
+def required_when_unreadable(findings: list[Finding], chips_present: bool, settings: NpuConfig) -> list[Finding]:
+    """Never ready on a guess: on a node with /dev/davinciN nodes, chips whose health cannot be read (no npu-smi,
+    a table not understood or cut short) block readiness whatever health.required_checks says, unless the operator
+    opted out (npu.unreadable_blocks_ready: false)."""
+    if not chips_present or not settings.unreadable_blocks_ready:
+        return findings
+    return [replace(f, required=True) if f.status == Status.UNKNOWN else f for f in findings]
 
 
 def _truncated(why: str, observed: dict[str, Any]) -> list[Finding]:

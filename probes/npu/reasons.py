@@ -34,7 +34,8 @@ NPU_TOOL_MISSING = Reason(
     "and npu.hbm cannot be read (npu.holders still runs)",
     "install the Ascend driver's tools (the run package puts npu-smi in /usr/local/Ascend/driver/tools and links "
     "/usr/local/sbin/npu-smi), or point npu.smi_command at it, e.g. [nsenter, -t, 1, -m, --, "
-    "/usr/local/Ascend/driver/tools/npu-smi]",
+    "/usr/local/Ascend/driver/tools/npu-smi]; the node is not ready meanwhile (the finding is required; "
+    "npu.unreadable_blocks_ready: false lets a node whose chips cannot be read be ready)",
 )
 NPU_TABLE_TRUNCATED = Reason(
     "NpuTableTruncated",
@@ -135,6 +136,16 @@ NPU_HELD_OUTSIDE_ALLOCATION = Reason(
     "second scheduler placed without the device plugin): the next job the plugin gives the chip to fails with "
     "-8020 / davinci already in use",
 )
+NPU_ALLOCATION_DISAGREES = Reason(
+    "NpuAllocationDisagrees",
+    Status.WARN,
+    "a pod holds the chip the kubelet's ledger allocated to it, but Volcano's huawei.com/AscendReal on the pod names "
+    "other chips (both are named): the holder scan is believed, never a fail on the annotation's word alone; only "
+    "pods a trusted scheduler placed (kubernetes.ascend_real_schedulers) have their annotation read at all",
+    "compare `kubectl get pod -o jsonpath='{.metadata.annotations.huawei\\.com/AscendReal}'` with the chip the "
+    "pod opened (npu.holders' observed holders); a Volcano that writes another chip than it mounts is a Volcano or "
+    "device-plugin problem: see their logs",
+)
 NPU_DEVICE_PLUGIN_UNHEALTHY = Reason(
     "DevicePluginUnhealthy",
     Status.WARN,
@@ -161,6 +172,7 @@ REASONS = (
     NPU_SHARED_BY_PODS,
     NPU_HOLDER_SCAN_FAILED,
     NPU_HELD_OUTSIDE_ALLOCATION,
+    NPU_ALLOCATION_DISAGREES,
     NPU_DEVICE_PLUGIN_UNHEALTHY,
     POD_RESOURCES_UNAVAILABLE,
 )

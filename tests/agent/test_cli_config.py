@@ -226,3 +226,54 @@ def test_check_shows_the_limit_and_both_cgroups_throttling() -> None:
         "cpu: limit 500m; agent's cgroup throttled in 3 of 600 periods (0.041 s); "
         "children's work cgroup (400m) throttled in 240 of 3000 periods (2.4 s)"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            "health: {required_checks: [storage.mount]}\n",
+            "config key health.required_checks[0]: 'storage.mount' is no declared check or category "
+            "(did you mean 'storage.mounts'?)",
+        ),
+        ("kubernetes: {disabled_checks: [npu, netwrk]}\n", "kubernetes.disabled_checks[1]: 'netwrk' is no declared"),
+        ("kubernetes: {disabled_reasons: [DiskFul]}\n", "(did you mean 'DiskFull'?)"),
+        ("kubernetes: {effects: {NpuHealthAlarn: None}}\n", "kubernetes.effects.NpuHealthAlarn: 'NpuHealthAlarn'"),
+        (
+            "kubernetes: {dryrun: true}\n",
+            "config key kubernetes.dryrun: unknown key under kubernetes (did you mean 'dry_run'?)",
+        ),
+        ("probes: {npu: {intervl_seconds: 3}}\n", "probes.npu.intervl_seconds: unknown key under probes.npu (did you"),
+    ],
+)
+def test_validate_names_what_selects_nothing_with_a_did_you_mean(tmp_path: Path, text: str, named: str) -> None:
+    """Field failure: `required_checks: [storage.mount]` was "valid" and silently required nothing."""
+    done = run_cli("config", "--validate", write(tmp_path, text))
+    assert done.returncode == 2, done.stdout
+    assert named in done.stderr, done.stderr
+
+
+def test_declared_names_and_categories_are_valid(tmp_path: Path) -> None:
+    text = (
+        "health: {required_checks: [storage.mounts, npu, host, time.sync]}\n"
+        "kubernetes: {disabled_checks: [network, storage.locks], disabled_reasons: [DiskFull, WarmingUp], "
+        "effects: {NpuHealthAlarm: None, ParseError: None}}\n"
+    )
+    done = run_cli("config", "--validate", write(tmp_path, text))
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_daemon_warns_and_counts_names_that_select_nothing(tmp_path: Path) -> None:
+    """The daemon keeps running on such a config (a rollback must not crash-loop), with a warning line and the
+    nodehealth_config_unknown_keys gauge counting each name."""
+    from agent.config import load_config_tolerant
+    from agent.daemon import Agent
+
+    path = write(tmp_path, "health: {required_checks: [storage.mount]}\nkubernetes: {disabled_reasons: [DiskFul]}\n")
+    config, notes = load_config_tolerant(path, all_probes())
+    warnings = notes.warnings()
+    assert len(warnings) == 2 and "'storage.mount' is no declared check" in warnings[0], warnings
+    assert "did you mean 'DiskFull'?" in warnings[1], warnings
+    agent = Agent(path, config, no_kube=True)
+    gauge = next(s for s in agent._agent_samples() if s.name == "nodehealth_config_unknown_keys")
+    assert gauge.value == 2

@@ -193,9 +193,10 @@ def test_nvidia_devices_when_no_ascend_and_all_means_every_device(agents: dict[s
     outcome = preflight({"NODE_HEALTH_URL": url, "NVIDIA_VISIBLE_DEVICES": "all", "NODE_HEALTH_CHECKS": "storage"})
     assert outcome.code == 0, outcome
     assert outcome.lines[0] == f"node-health pre-flight: {url}/ready?checks=storage answered 200"
+    # This agent's node has no GPU: devices 0 and 1 are not its own, never ready on a guess (NoSuchDevice).
     outcome = preflight({"NODE_HEALTH_URL": url, "NVIDIA_VISIBLE_DEVICES": "0,1"})
-    assert outcome.code == 0, outcome
-    assert outcome.lines[0].lower() == f"node-health pre-flight: {url}/ready?devices=0%2c1 answered 200"
+    assert outcome.code == 1, outcome
+    assert outcome.lines[0].lower().startswith(f"node-health pre-flight: {url}/ready?devices=0%2c1 answered 503")
 
 
 @pytest.mark.system

@@ -23,7 +23,14 @@ pytestmark = pytest.mark.system  # a server on 127.0.0.1
 
 def test_lists_this_nodes_pods_metadata_only_from_the_cache(double: ApiDouble) -> None:
     double.add_node("a")
-    double.add_pod("team-a", "vc-0", "a", uid="1111", annotations={ASCEND_REAL_ANNOTATION: "Ascend910-3", "x": "y"})
+    double.add_pod(
+        "team-a",
+        "vc-0",
+        "a",
+        uid="1111",
+        annotations={ASCEND_REAL_ANNOTATION: "Ascend910-3", "x": "y"},
+        scheduler="volcano",
+    )
     double.add_pod("team-b", "other", "b")
     pods = NodePods(lambda: KubeApi(double.client, 5), "a")
     before = time.time()
@@ -111,3 +118,27 @@ def test_the_daemon_loads_no_kubernetes_client_for_the_feed() -> None:
     code = "import sys, agent.daemon; print(sorted(m for m in sys.modules if m.split('.')[0] == 'kubernetes'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_ascend_real_is_trusted_only_on_the_pods_a_trusted_scheduler_placed(double: ApiDouble) -> None:
+    """A pod's own huawei.com/AscendReal (anyone who creates a pod writes its annotations) is dropped unless
+    Volcano (spec.schedulerName, kubernetes.ascend_real_schedulers) placed it."""
+    double.add_node("a")
+    real = {ASCEND_REAL_ANNOTATION: "Ascend910-3"}
+    double.add_pod("team-a", "vc-0", "a", uid="1111", annotations=real, scheduler="volcano")
+    double.add_pod("team-b", "own-0", "a", uid="2222", annotations=real)  # default-scheduler
+    double.add_pod("team-c", "other-0", "a", uid="3333", annotations=real, scheduler="my-scheduler")
+    pods = NodePods(lambda: KubeApi(double.client, 5), "a")
+    assert pods.refresh()
+    index = pods.current()
+    assert index is not None
+    kept = {p.name: dict(p.annotations) for p in index.pods}
+    assert kept == {"vc-0": real, "own-0": {}, "other-0": {}}
+    queries = [r.query["fieldSelector"] for r in double.log if r.path == "/api/v1/pods"]
+    assert queries[-2:] == [["spec.nodeName=a"], ["spec.nodeName=a,spec.schedulerName=volcano"]]
+    # A site whose Volcano runs under another name lists it.
+    other = NodePods(lambda: KubeApi(double.client, 5), "a", schedulers=lambda: ["my-scheduler"])
+    assert other.refresh()
+    index = other.current()
+    assert index is not None
+    assert {p.name: dict(p.annotations) for p in index.pods} == {"vc-0": {}, "own-0": {}, "other-0": real}

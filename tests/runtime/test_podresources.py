@@ -14,12 +14,14 @@ import pytest
 from support.fake_kubelet import FakeKubelet
 from support.system import REPO
 
+from probes.runtime.podresources import caps, client
 from probes.runtime.podresources.client import READER, ReaderProcess, last_read, ledger_source, read_once
 from probes.runtime.podresources.ledger import (
     Allocation,
     LedgerError,
     ascend_real,
     ascend_ref,
+    ledger_of,
     nvidia_ref,
     parse_ledger,
     pod_devices,
@@ -207,3 +209,54 @@ def test_a_socket_that_is_not_one_and_a_missing_one(tmp_path: Path) -> None:
     missing = read_once(str(tmp_path / "none.sock"), 1.0)
     assert (missing.state, missing.code) == ("skip", "MISSING")
     assert read_once("", 1.0).code == "DISABLED"
+
+
+@pytest.mark.parametrize(
+    ("document", "named"),
+    [
+        ({"pods": [{"namespace": "a", "name": f"p{i}"} for i in range(caps.MAX_PODS + 1)]}, "pods listed"),
+        (
+            {"pods": [{"containers": [{"devices": [{"ids": ["x"] * (caps.MAX_ALLOCATED_IDS + 1)}]}]}]},
+            "device ids allocated",
+        ),
+        ({"pods": [], "allocatable": [{"ids": ["x"] * (caps.MAX_ALLOCATABLE_IDS + 1)}]}, "allocatable device ids"),
+    ],
+)
+def test_the_agent_refuses_a_line_past_the_bounds_rather_than_judge_a_part(document: object, named: str) -> None:
+    """The child refuses such answers (test_podresources_memory.py); the agent's parse checks again, and refuses the
+    whole rather than cutting it to the part within the bounds."""
+    with pytest.raises(LedgerError, match=named):
+        ledger_of(document)
+
+
+@pytest.mark.system
+def test_each_answer_is_parsed_once_and_the_previous_read_goes_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One json.loads per answer (it was parsed twice), and when the next answer is parsed the source no longer
+    holds the previous ledger: at most one ledger at a time, plus the one being parsed."""
+    parses: list[object] = []
+    real_loads, real_ledger_of = client.json.loads, client.ledger_of
+
+    def loads(text: bytes | bytearray | str) -> object:
+        parses.append(type(text))
+        return real_loads(text)
+
+    with FakeKubelet(rate=1000, burst=1000) as kubelet:
+        kubelet.allocate("a", "p", "c", "nvidia.com/gpu", "GPU-1")
+        source = ledger_source(kubelet.socket)
+        held_while_parsing: list[object] = []
+
+        def ledger_of_spy(document: object) -> object:
+            last = source.last()
+            held_while_parsing.append(None if last is None else (last.ok, last.code, last.ledger))
+            return real_ledger_of(document)
+
+        monkeypatch.setattr(client.json, "loads", loads)
+        monkeypatch.setattr(client, "ledger_of", ledger_of_spy)
+        first = source.start(10.0).result()
+        assert first.ok and len(parses) == 1
+        time.sleep(client.MIN_SECONDS_BETWEEN_READS + 0.1)
+        second = source.start(10.0).result()
+        assert second.ok and second is not first and len(parses) == 2
+        assert held_while_parsing[0] is None  # nothing read before the first
+        assert held_while_parsing[1] == (False, "REPLACING", None), "the first read was still held"
+        assert source.last() is second

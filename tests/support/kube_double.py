@@ -273,10 +273,18 @@ class ApiDouble:
         return self.create("nodes", "", body, keep_status=True)
 
     def add_pod(
-        self, namespace: str, name: str, node: str, uid: str = "", annotations: dict[str, str] | None = None
+        self,
+        namespace: str,
+        name: str,
+        node: str,
+        uid: str = "",
+        annotations: dict[str, str] | None = None,
+        scheduler: str = "default-scheduler",
     ) -> dict[str, Any]:
-        """A pod bound to `node` (spec.nodeName), with the UID its cgroup would carry when given."""
-        body = {"metadata": {"name": name, "annotations": dict(annotations or {})}, "spec": {"nodeName": node}}
+        """A pod bound to `node` (spec.nodeName), with the UID its cgroup would carry when given, placed by
+        `scheduler` (spec.schedulerName, which the API server defaults to default-scheduler)."""
+        spec = {"nodeName": node, "schedulerName": scheduler}
+        body = {"metadata": {"name": name, "annotations": dict(annotations or {})}, "spec": spec}
         self.create("pods", namespace, body)
         if uid:
             self.mutate("pods", namespace, name, lambda pod: pod["metadata"].__setitem__("uid", uid))

@@ -5,8 +5,10 @@ narrows them), the agents' DeviceTaintRules and public-fault ConfigMaps (by thei
 ConfigMaps. Per node: whether it is ready, each category's problem with its reason and how long it has stood
 (the condition's lastTransitionTime) and whether the node carries its taint, the isolated devices and how
 (`gpu3:dra` a DeviceTaintRule, `npu2:fault` a public fault, `npu5:node` the node taint, ...), and what is
-withheld (a node taint the cluster taint budget refused, a device isolation the device budget refused). Then how
-much of each budget is used. `--json` prints the same as one document. Everything shown is escaped: a Node's
+withheld (a node taint the cluster taint budget refused, a device isolation the device budget refused), and the
+orphans: an agent-owned taint (`<prefix>/<category>`) with no failing condition of its category beside it, left by
+an agent that is gone (`kubectl delete -k deploy/`, a crash), with the commands that remove it. Then how much of
+each budget is used. `--json` prints the same as one document. Everything shown is escaped: a Node's
 fields are not trusted to be printable.
 """
 
@@ -53,6 +55,8 @@ class NodeView:
     problems: list[Problem] = field(default_factory=list)
     isolated: list[dict[str, Any]] = field(default_factory=list)  # device, mechanism, reason (and rules, codes)
     withheld: list[str] = field(default_factory=list)
+    # Agent-owned taints with no failing condition of their category: key, effect and the commands that remove it.
+    orphans: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -104,6 +108,7 @@ def node_view(node: Mapping[str, Any], prefix: str, now: float) -> NodeView:
         message = str(condition.get("message") or "")
         if message.startswith(f"taint {taint_key(prefix, category)}=") and " withheld" in message.split(";")[0]:
             view.withheld.append(message.split(" withheld")[0].removeprefix(f"taint {prefix}/"))
+    view.orphans = orphan_taints(view.name, taints, {p.category for p in view.problems}, prefix)
     try:
         entries = json.loads((metadata.get("annotations") or {}).get(isolated_devices_key(prefix)) or "[]")
     except ValueError:
@@ -118,8 +123,27 @@ def node_view(node: Mapping[str, Any], prefix: str, now: float) -> NodeView:
     return view
 
 
+def orphan_taints(node: str, taints: Mapping[str, str], failing: set[str], prefix: str) -> list[dict[str, str]]:
+    """The agent's category taints on `node` that no failing condition of their category explains: nothing will
+    lift them (the agent that would is gone), so each comes with the commands that do."""
+    out = []
+    for category in CATEGORIES:
+        key = taint_key(prefix, category)
+        if key in taints and category not in failing:
+            kubectl = f"kubectl taint nodes {node} {key}:{taints[key]}-"
+            out.append(
+                {
+                    "taint": key,
+                    "effect": taints[key],
+                    "remove": f"node-health cleanup --node {node}",
+                    "kubectl": kubectl,
+                }
+            )
+    return out
+
+
 def marked(view: NodeView) -> bool:
-    return bool(view.problems or view.isolated or view.withheld or view.ready == "false")
+    return bool(view.problems or view.isolated or view.withheld or view.orphans or view.ready == "false")
 
 
 @dataclass
@@ -207,7 +231,8 @@ def format_fleet(view: FleetView) -> str:
     rows = [("NODE", "READY", "PROBLEMS (reason, for how long, * = node tainted)", "ISOLATED DEVICES", "WITHHELD")]
     for node in view.nodes:
         problems = ", ".join(
-            f"{p.category}={p.reason} {age_text(p.age_seconds)}{'*' if p.tainted else ''}" for p in node.problems
+            [f"{p.category}={p.reason} {age_text(p.age_seconds)}{'*' if p.tainted else ''}" for p in node.problems]
+            + [f"{o['taint']}:{o['effect']} ORPHAN (no condition)" for o in node.orphans]
         )
         isolated = " ".join(
             f"{d.get('device')}:{SHORT.get(str(d.get('mechanism')), d.get('mechanism'))}" for d in node.isolated
@@ -226,6 +251,12 @@ def format_fleet(view: FleetView) -> str:
         devices.append(f"chips with a public fault: {view.faults}")
     lines.append("; ".join(devices))
     lines.extend(f"note: {_cell(n)}" for n in view.notes)
+    for node in view.nodes:
+        lines.extend(
+            f"orphan taint {_cell(o['taint'])}:{_cell(o['effect'])} on {_cell(node.name)}: no agent condition explains "
+            f"it; remove it with `{_cell(o['remove'])}` (every agent mark) or `{_cell(o['kubectl'])}`"
+            for o in node.orphans
+        )
     return "\n".join(lines)
 
 

@@ -22,6 +22,10 @@ or after ten idle minutes.
 The outcome is a `LedgerRead`: ok (the ledger), skip (no socket: no kubelet here, or the directory is not
 mounted) or unknown (the kubelet did not answer in time, answered UNAVAILABLE or RESOURCE_EXHAUSTED, or sent
 something that is not a ledger). `last_read(socket)` is the latest finished outcome, for the agent to serve.
+
+Memory: what one answer may hold is bounded (`caps.py`, in the child before it builds anything, and again here);
+the answer line is read into one buffer and parsed once; and the previous read is dropped once the next answer is
+in, before it is parsed, so the agent holds one ledger at a time.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from probes.runtime.podresources.ledger import Ledger, LedgerError, parse_ledger
+from probes.runtime.podresources.caps import MAX_ANSWER_BYTES
+from probes.runtime.podresources.ledger import Ledger, LedgerError, ledger_of
 
 READER = Path(__file__).resolve().parent / "reader.py"
 MIN_SECONDS_BETWEEN_READS = 1.0
@@ -50,7 +55,6 @@ STARTUP_ALLOWANCE_SECONDS = 2.0
 # What a probe run waits for the kubelet's answer once its own checks are done: a healthy kubelet has answered
 # long before (a read is ~10 ms, started at the run's start); a hung one costs the run no more than this.
 COLLECT_GRACE_SECONDS = 0.25
-MAX_ANSWER_BYTES = 8 << 20
 READY = "ready\n"  # the serving child's first line, once its imports are done
 
 
@@ -61,7 +65,7 @@ class LedgerRead:
     state: str  # "ok", "skip" (no socket), "unknown" (no usable answer)
     socket: str
     ledger: Ledger | None = None
-    code: str = ""  # why not ok: MISSING, DISABLED, NOT_A_SOCKET, TIMEOUT, CONNECT, UNAVAILABLE, PARSE, ...
+    code: str = ""  # why not ok: MISSING, DISABLED, NOT_A_SOCKET, TIMEOUT, CONNECT, UNAVAILABLE, TOO_LARGE, PARSE, ...
     why: str = ""
     read_at: float = 0.0  # wall clock, when the read began: shown, and compared with other wall clocks
     read_mono: float = 0.0  # monotonic clock, when the read began: its age (no clock step moves it)
@@ -103,15 +107,15 @@ class ReaderProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
-    def ask(self, path: str, timeout: float, asking: Callable[[], None] | None = None) -> tuple[str, str]:
-        """(answer line, "") or ("", why there is none); a child that failed is killed, the next ask starts one.
+    def ask(self, path: str, timeout: float, asking: Callable[[], None] | None = None) -> tuple[bytes | bytearray, str]:
+        """(answer line, "") or (b"", why there is none); a child that failed is killed, the next ask starts one.
         `asking` is called once the request is with a started child: from then on the wait is the kubelet's."""
         deadline = time.monotonic() + timeout + STARTUP_ALLOWANCE_SECONDS
         if self._proc is None or self._proc.poll() is not None:
             why = self._start()
             if why:
                 self.close()
-                return "", why
+                return b"", why
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
@@ -119,7 +123,7 @@ class ReaderProcess:
             proc.stdin.flush()
         except OSError as exc:
             self.close()
-            return "", f"the ledger reader is gone ({exc.strerror or exc})"
+            return b"", f"the ledger reader is gone ({exc.strerror or exc})"
         if asking is not None:
             asking()
         line, why = _read_line(proc.stdout.fileno(), deadline)
@@ -142,7 +146,7 @@ class ReaderProcess:
         line, why = _read_line(self._proc.stdout.fileno(), time.monotonic() + STARTUP_ALLOWANCE_SECONDS)
         if why == "TIMEOUT":
             return f"the ledger reader did not start within {STARTUP_ALLOWANCE_SECONDS:g}s"
-        if why or line != READY:
+        if why or line != READY.encode():
             return f"the ledger reader did not start: {why or repr(line[:80])}"
         return ""
 
@@ -160,32 +164,36 @@ class ReaderProcess:
             proc.wait(timeout=1.0)  # one stuck in D state is left; it holds no lock of ours
 
 
-def _read_line(fd: int, deadline: float) -> tuple[str, str]:
-    """One line from the child, at most MAX_ANSWER_BYTES, by the deadline."""
-    chunks: list[bytes] = []
-    size = 0
+def _read_line(fd: int, deadline: float) -> tuple[bytes | bytearray, str]:
+    """One line from the child, at most MAX_ANSWER_BYTES, by the deadline: read into one buffer and handed over as
+    it is (no list of chunks joined into a second copy; json.loads takes a bytearray)."""
+    line = bytearray()
     with selectors.DefaultSelector() as selector:
         selector.register(fd, selectors.EVENT_READ)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not selector.select(left):
-                return "", "TIMEOUT"
+                return b"", "TIMEOUT"
             chunk = os.read(fd, 65536)
             if not chunk:
-                return "", "the ledger reader exited without an answer"
-            chunks.append(chunk)
-            size += len(chunk)
+                return b"", "the ledger reader exited without an answer"
+            line += chunk
             if chunk.endswith(b"\n"):
-                return b"".join(chunks).decode("utf-8", "replace"), ""
-            if size > MAX_ANSWER_BYTES:
-                return "", f"the ledger reader's answer passed {MAX_ANSWER_BYTES} bytes"
+                return line, ""
+            if len(line) > MAX_ANSWER_BYTES:
+                return b"", f"the ledger reader's answer passed {MAX_ANSWER_BYTES} bytes"
 
 
 def read_once(
-    path: str, timeout: float, reader: ReaderProcess | None = None, asking: Callable[[], None] | None = None
+    path: str,
+    timeout: float,
+    reader: ReaderProcess | None = None,
+    asking: Callable[[], None] | None = None,
+    answered: Callable[[], None] | None = None,
 ) -> LedgerRead:
     """One read through the reader child (a child of its own when `reader` is None), blocking at most timeout +
-    the child's start-up allowance; `asking` as in `ReaderProcess.ask`."""
+    the child's start-up allowance; `asking` as in `ReaderProcess.ask`; `answered` is called once the answer is
+    in and before it is parsed (LedgerSource drops its previous read there)."""
     began, wall = time.monotonic(), time.time()
     absent = socket_state(path)
     if absent is not None:
@@ -200,25 +208,34 @@ def read_once(
     if why == "TIMEOUT":
         why = f"the ledger reader got no answer within {timeout:g}s (kubelet hung?)"
         read = LedgerRead("unknown", path, code="TIMEOUT", why=why)
+    elif why:
+        read = LedgerRead("unknown", path, code="READER", why=why)
     else:
-        read = LedgerRead("unknown", path, code="READER", why=why) if why else _parsed(text, path)
+        if answered is not None:
+            answered()
+        read = _parsed(text, path)
+        del text  # the line goes before the caller keeps the ledger
     return replace(read, read_at=wall, read_mono=began, duration=time.monotonic() - began)
 
 
-def _parsed(text: str, path: str) -> LedgerRead:
+def _parsed(text: bytes | bytearray, path: str) -> LedgerRead:
+    """The child's line, parsed once: its error, or the ledger."""
     try:
         document = json.loads(text)
-    except ValueError:
-        document = None
+    except ValueError as exc:
+        return LedgerRead("unknown", path, code="PARSE", why=f"not a ledger: not JSON: {exc}")
     error = document.get("error") if isinstance(document, dict) else None
     if isinstance(error, dict):
         code = str(error.get("code", "UNKNOWN"))[:40]
-        why = f"the kubelet answered {code}: {str(error.get('message', ''))[:300]}".rstrip(": ")
+        message = str(error.get("message", ""))[:300]
+        why = f"the kubelet answered {code}: {message}".rstrip(": ")
         if code in ("CONNECT", "TIMEOUT"):
-            why = f"the kubelet did not answer ({code.lower()}): {str(error.get('message', ''))[:300]}"
+            why = f"the kubelet did not answer ({code.lower()}): {message}"
+        elif code == "TOO_LARGE":
+            why = f"the kubelet's answer is larger than the agent reads (caps.py), so it was not read: {message}"
         return LedgerRead("unknown", path, code=code, why=why)
     try:
-        ledger = parse_ledger(text)
+        ledger = ledger_of(document)
     except LedgerError as exc:
         return LedgerRead("unknown", path, code="PARSE", why=f"not a ledger: {exc}")
     return LedgerRead("ok", path, ledger)
@@ -290,12 +307,26 @@ class LedgerSource:
 
     def _run(self, timeout: float) -> None:
         try:
-            outcome = read_once(self.socket, timeout, self._reader, self._asking)
+            outcome = read_once(self.socket, timeout, self._reader, self._asking, self._drop_last)
         except Exception as exc:  # noqa: BLE001 - a failed read must leave the ledger unknown, not the thread dead
             outcome = LedgerRead("unknown", self.socket, code="READER", why=f"{type(exc).__name__}: {exc}")
         with self._lock:
             self._last, self._last_done, self._running = outcome, time.monotonic(), None
             self._finished.notify_all()
+
+    def _drop_last(self) -> None:
+        """A new answer is in: the previous read goes before it is parsed, so the agent never holds two ledgers (for
+        the milliseconds of the parse, `last()` is a read that is not ok, and /ready?pod= waits for this read)."""
+        with self._lock:
+            if self._last is not None and self._last.ok:
+                why = "the previous read was dropped while the kubelet's new answer is parsed"
+                self._last = LedgerRead("unknown", self.socket, code="REPLACING", why=why)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a read is in flight."""
+        with self._lock:
+            return self._running is not None
 
     def _asking(self) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ ledger does not list may have started after the read, and is left alone. Then:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from probes.runtime.holders import Holder, PodRef, list_processes
@@ -36,6 +36,9 @@ class DeviceVerdict:
     outside: list[tuple[PodRef, list[Holder]]] = field(default_factory=list)  # holder pods without an allocation
     unnamed: list[Holder] = field(default_factory=list)  # in a pod known by UID only: not judged
     not_listed: list[PodRef] = field(default_factory=list)  # named pods the ledger does not list: not judged
+    # Holder pods the kubelet-side ids allocated this device to, whose annotation (Volcano's AscendReal) names
+    # others: the holder scan is believed (never a fail on the annotation alone); with what the annotation says.
+    disagrees: list[tuple[PodRef, list[Holder], str]] = field(default_factory=list)
 
     @property
     def held_outside(self) -> bool:
@@ -55,7 +58,24 @@ class DeviceVerdict:
             out["holders_not_named"] = len(self.unnamed)
         if self.not_listed:
             out["pods_not_in_ledger"] = [pod.to_dict() for pod in self.not_listed[:10]]
+        if self.disagrees:
+            out["annotation_disagrees"] = [
+                {**pod.to_dict(), "annotation": said} for pod, _, said in self.disagrees[:10]
+            ]
         return out
+
+    def believe_holders(self, kubelet_side: Sequence[Granted], annotations: Mapping[tuple[str, str], str]) -> None:
+        """Holder pods outside the allocation that the kubelet-side ids did allocate this device to (an annotation
+        moved their grant elsewhere): moved from `outside` to `disagrees`."""
+        given = {g.allocation.pod_key for g in kubelet_side}
+        kept = []
+        for pod, members in self.outside:
+            key = (pod.namespace, pod.name)
+            if key in given:
+                self.disagrees.append((pod, members, annotations.get(key, "")))
+            else:
+                kept.append((pod, members))
+        self.outside = kept
 
 
 def named(pod: PodRef, index: PodIndex | None) -> PodRef:

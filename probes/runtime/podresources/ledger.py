@@ -14,22 +14,24 @@ Device ids, as the plugins name them:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from probes.runtime.podresources.caps import MAX_ALLOCATABLE_IDS, MAX_ALLOCATED_IDS, MAX_PODS
+
 ASCEND_REAL_ANNOTATION = "huawei.com/AscendReal"
 NVIDIA_PREFIX = "nvidia.com/"
 ASCEND_PREFIX = "huawei.com/"
-# Bounds on what one answer may hold (a kubelet lists at most a few hundred pods): a hostile or broken answer
-# cannot grow the agent's memory.
-MAX_PODS = 2000
-MAX_IDS = 20000
-_REPLICA = re.compile(r"^(?P<base>.+?)::(?P<replica>\d+)$")
-_ASCEND_CHIP = re.compile(r"^Ascend\w*?-(?P<phy>\d+)$")
-_ASCEND_VNPU = re.compile(r"^Ascend\w*?-(?P<cores>\d+c)-(?P<vdev>\d+)-(?P<phy>\d+)$")
+# What one answer may hold is bounded in caps.py, by the reader child before it builds anything; `ledger_of` checks
+# the counts again (a LedgerError past them), so the agent never keeps more whatever the line holds.
+# ASCII only: \d would take any Unicode decimal digit (Arabic-Indic ones, which int() reads) from a kubelet answer.
+_REPLICA = re.compile(r"^(?P<base>.+?)::(?P<replica>\d+)$", re.ASCII)
+_ASCEND_CHIP = re.compile(r"^Ascend\w*?-(?P<phy>\d+)$", re.ASCII)
+_ASCEND_VNPU = re.compile(r"^Ascend\w*?-(?P<cores>\d+c)-(?P<vdev>\d+)-(?P<phy>\d+)$", re.ASCII)
 
 
 class LedgerError(ValueError):
@@ -71,6 +73,11 @@ class Ledger:
     pods: frozenset[tuple[str, str]] = frozenset()  # every pod the kubelet listed, with or without devices
     allocatable: Mapping[str, frozenset[str]] = field(default_factory=dict)  # resource → ids offered
 
+    @functools.cached_property
+    def by_pod(self) -> dict[tuple[str, str], list[Allocation]]:
+        """The allocations per pod, made once per ledger (on first use) and gone with it."""
+        return by_pod(self.allocations)
+
     def of_resources(self, prefix: str) -> list[Allocation]:
         return [a for a in self.allocations if a.resource.startswith(prefix)]
 
@@ -91,34 +98,50 @@ class Ledger:
         return out
 
 
-def parse_ledger(text: str) -> Ledger:
+def parse_ledger(text: str | bytes) -> Ledger:
     """The reader's JSON document → Ledger; LedgerError when it is anything else."""
     try:
         document = json.loads(text)
     except ValueError as exc:
         raise LedgerError(f"not JSON: {exc}") from None
+    return ledger_of(document)
+
+
+def ledger_of(document: Any) -> Ledger:
+    """The reader's document, parsed from JSON once (client.py), → Ledger; LedgerError when it is anything else or
+    holds more than caps.py admits (the child refuses such answers before it sends them: this is the agent's own
+    check, never a truncation that would judge a part of the ledger as the whole)."""
     if not isinstance(document, dict) or not isinstance(document.get("pods"), list):
         raise LedgerError("no pods list in the answer")
+    if len(document["pods"]) > MAX_PODS:
+        raise LedgerError(f"{len(document['pods'])} pods listed (at most {MAX_PODS} are read)")
     allocations: list[Allocation] = []
     pods: set[tuple[str, str]] = set()
-    for pod in document["pods"][:MAX_PODS]:
+    for pod in document["pods"]:
         namespace, name = _text(pod, "namespace"), _text(pod, "name")
         pods.add((namespace, name))
         for container in _items(pod, "containers"):
             for devices in _items(container, "devices"):
                 resource = _text(devices, "resource")
-                for device_id in _strings(devices.get("ids"))[:MAX_IDS]:
+                for device_id in _strings(devices.get("ids")):
                     allocations.append(Allocation(namespace, name, _text(container, "name"), resource, device_id))
             for claim in _items(container, "claims"):
                 device = "/".join(_text(claim, key) for key in ("driver", "pool", "device"))
                 allocations.append(
                     Allocation(namespace, name, _text(container, "name"), _text(claim, "driver"), device)
                 )
+            if len(allocations) > MAX_ALLOCATED_IDS:
+                raise LedgerError(f"over {MAX_ALLOCATED_IDS} device ids allocated (no more are read)")
     allocatable: dict[str, frozenset[str]] = {}
+    offered = 0
     for devices in _items(document, "allocatable"):
+        ids = _strings(devices.get("ids"))
+        offered += len(ids)
+        if offered > MAX_ALLOCATABLE_IDS:
+            raise LedgerError(f"over {MAX_ALLOCATABLE_IDS} allocatable device ids (no more are read)")
         resource = _text(devices, "resource")
-        allocatable[resource] = allocatable.get(resource, frozenset()) | frozenset(_strings(devices.get("ids")))
-    return Ledger(tuple(allocations[:MAX_IDS]), frozenset(pods), allocatable)
+        allocatable[resource] = allocatable.get(resource, frozenset()) | frozenset(ids)
+    return Ledger(tuple(allocations), frozenset(pods), allocatable)
 
 
 def _items(parent: Any, key: str) -> list[dict[str, Any]]:

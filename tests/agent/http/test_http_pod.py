@@ -456,3 +456,16 @@ def test_without_a_ledger_the_server_says_so(served: Served) -> None:
         assert plain.reasons("/ready?pod=team-a/train-0") == [("ready.pod", "team-a/train-0", "LedgerUnavailable")]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("device_id", ["²", "Ascend910-²", "Ascend910-٣", "GPU-0::²", "٣"])
+def test_a_non_ascii_digit_id_is_pod_devices_unknown_never_a_500(served: Served, device_id: str) -> None:
+    """Field failure: `²` passed str.isdigit() and int() raised: 500, and a fail-open pre-flight started the job
+    unchecked. ASCII digits only: an id that maps nowhere is PodDevicesUnknown (503)."""
+    resource = ASCEND if device_id.startswith("Ascend") else NVIDIA
+    served.ledger.read = ledger_read(*grants("team-a", "train-0", (resource, device_id)))  # listed: not Volcano's
+    status, body = served.answer("/ready?pod=team-a/train-0")
+    assert status == 503, body
+    odd = next(r for r in body["reasons"] if r["check"] == "ready.pod")
+    assert (odd["subject"], odd["reason"]) == ("team-a/train-0", POD_DEVICES_UNKNOWN.code)
+    assert "which no npu or gpu result of this node names" in odd["message"], odd

@@ -142,6 +142,32 @@ def test_devices_as_indices_lists_and_duplicates(served: Served) -> None:
     assert served.get("/ready?devices=all")[0] == 503  # every device, as without devices=
 
 
+def test_devices_the_node_does_not_have_are_never_ready(served: Served) -> None:
+    """devices=7 on a 2-GPU node: NoSuchDevice (503), never 200 because no result of device 7 blocks."""
+    feed_healthy_gpus(served, gpu0=Status.OK)
+    assert served.get("/ready?devices=0,1")[0] == 200
+    status, body = served.get_json("/ready?devices=1,7")
+    assert status == 503, body
+    assert [(r["check"], r["reason"]) for r in body["reasons"]] == [("ready.devices", "NoSuchDevice")]
+    assert "devices=7" in body["reasons"][0]["message"] and "its devices: 0, 1" in body["reasons"][0]["message"]
+    # min_hbm_free_mib on devices that report free memory is judged as before; on none, never ready.
+    assert served.get("/ready?devices=1&min_hbm_free_mib=30000")[0] == 200
+
+
+def test_a_node_without_devices_is_never_ready_for_devices_or_hbm(served: Served) -> None:
+    """A node with no accelerator: devices=0,1 and min_hbm_free_mib=30000 are NoSuchDevice, not 200."""
+    served.state.record("gpu", [Finding("gpu.health", "", Status.SKIP, "NotApplicable", "no NVIDIA driver")])
+    served.state.record("host", host_memory(8000, 100))
+    served.state.record("storage", [Finding("storage.space", "/data", Status.OK, "OK", "40% used")])
+    assert served.get("/ready")[0] == 200
+    for query in ("devices=0,1", "min_hbm_free_mib=30000", "devices=0,1&min_hbm_free_mib=30000"):
+        status, body = served.get_json(f"/ready?{query}")
+        assert status == 503, (query, body)
+        assert {r["reason"] for r in body["reasons"]} == {"NoSuchDevice"}, body
+    status, body = served.get_json("/ready?min_hbm_free_mib=30000")
+    assert "no considered device of this node reports free device memory" in body["reasons"][0]["message"]
+
+
 def test_devices_as_gpu_uuids_and_mig_ids(served: Served) -> None:
     feed_healthy_gpus(served)
     assert served.get(f"/ready?devices={GPU_1}")[0] == 200

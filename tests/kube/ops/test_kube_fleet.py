@@ -137,3 +137,43 @@ def test_node_fields_are_escaped_before_they_reach_a_terminal() -> None:
     text = format_fleet(view)
     assert "\x1b" not in text and "\\x1b[2Jnode" in text
     assert "x\\x0ay" in text
+
+
+@pytest.mark.system
+def test_an_agent_taint_without_its_condition_is_an_orphan_with_the_command_that_removes_it(
+    double: ApiDouble, tmp_path: Path
+) -> None:
+    """Field failure: a node-health/storage taint left by an agent that is gone showed as `problems: []`."""
+    taint = {"key": "node-health/storage", "value": "MountMissing", "effect": "NoSchedule"}
+    ok = {"type": "StorageHealthy", "status": "True", "reason": "OK", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    double.add_node("gone-01", taints=[taint])  # no condition at all
+    double.add_node("gone-02", taints=[taint], conditions=[ok])  # the condition says healthy
+    double.add_node("other-01", taints=[{"key": "example.com/maintenance", "effect": "NoSchedule"}])
+    kubeconfig = double.write_kubeconfig(tmp_path / "kubeconfig")
+    config = parse_config({"kubernetes": {"kubeconfig": str(kubeconfig), "budget_namespace": BUDGET_NS}})
+    view = fleet_view(KubeApi(double.client, 5), config, "", 0.0)
+    by_name = {n.name: n for n in view.nodes}
+    assert set(by_name) == {"gone-01", "gone-02"}, "a taint the agent does not own is not its orphan"
+    assert by_name["gone-01"].orphans == [
+        {
+            "taint": "node-health/storage",
+            "effect": "NoSchedule",
+            "remove": "node-health cleanup --node gone-01",
+            "kubectl": "kubectl taint nodes gone-01 node-health/storage:NoSchedule-",
+        }
+    ]
+    table = format_fleet(view)
+    assert "node-health/storage:NoSchedule ORPHAN (no condition)" in next(
+        line for line in table.splitlines() if line.startswith("gone-02")
+    )
+    assert "remove it with `node-health cleanup --node gone-01`" in table
+
+    # The command shown does remove it: the node leaves the view.
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"kubernetes": {"kubeconfig": str(kubeconfig), "budget_namespace": BUDGET_NS}}))
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "POD_NAMESPACE": BUDGET_NS}
+    command = [sys.executable, "-m", "agent.cli", "cleanup", "--config", str(path), "--node", "gone-01"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr
+    after = fleet_view(KubeApi(double.client, 5), config, "", 0.0)
+    assert [n.name for n in after.nodes] == ["gone-02"]

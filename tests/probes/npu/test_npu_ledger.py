@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.fake_kubelet import FakeKubelet
@@ -181,6 +182,61 @@ def test_the_pod_the_chip_is_allocated_to_may_hold_it(tmp_path: Path, fake: Fake
     assert held.status == Status.OK and held.observed["allocated_to"][0]["name"] == "train-0"
     allocated = next(s for s in samples if s.name == "nodehealth_device_allocated" and s.labels["chip"] == "2")
     assert (allocated.value, allocated.labels["pod"], allocated.labels["resource"]) == (1.0, "train-0", ASCEND)
+
+
+@pytest.mark.system
+def test_a_pods_own_ascend_real_never_fails_the_chip_the_kubelet_gave_it(
+    tmp_path: Path, fake: FakeSmi, kubelet: FakeKubelet, double: Any
+) -> None:
+    """Field failure: a pod of the default scheduler, given davinci0 by the kubelet, wrote its own
+    huawei.com/AscendReal: Ascend910-3, and its own chip became NpuHeldOutsideAllocation (fail, a taint). The
+    agent's Kubernetes side (NodePods on the API double) reads AscendReal only on pods Volcano placed."""
+    from agent.kube.client import KubeApi
+    from agent.kube.pods import NodePods
+
+    (device,) = idle_devices(1)
+    dev = make_dev(tmp_path / "dev", {"davinci0": device})
+    double.add_node("node-a")
+    with pod_cgroups(1) as (cgroup,), holding(dev / "davinci0") as child:
+        cgroup.add(child.pid)
+        named_pod(tmp_path, cgroup, "team-a", "own-0", "main")
+        forged = {"huawei.com/AscendReal": "Ascend910-3"}
+        double.add_pod("team-a", "own-0", "node-a", uid=cgroup.uid, annotations=forged)
+        kubelet.allocate("team-a", "own-0", "main", ASCEND, "Ascend910-0")
+        pods = NodePods(lambda: KubeApi(double.client, 5), "node-a")
+        probe = NpuProbe()
+        run_probe(ctx_for(tmp_path, dev, kubelet, pods), probe)  # the pod first seen in the ledger
+        time.sleep(1.1)  # the kubelet's rate limit
+        assert pods.refresh()  # a list newer than that sighting: the holders are compared
+        findings, _ = run_probe(ctx_for(tmp_path, dev, kubelet, pods), probe)
+        child.kill()
+    ledger = findings[("npu.ledger", "")]
+    assert ledger.observed["compared_with_holders"] is True, ledger.message
+    held = mine(findings[("npu.holders", "npu0")], child.pid)
+    assert (held.status, held.reason) == (Status.OK, "OK"), held.message
+    assert held.observed["allocated_to"][0]["device_id"] == "Ascend910-0"
+
+
+@pytest.mark.system
+def test_volcanos_annotation_against_what_the_pod_holds_is_a_warn_naming_both(
+    tmp_path: Path, fake: FakeSmi, kubelet: FakeKubelet
+) -> None:
+    """A Volcano pod whose AscendReal names davinci6 while it holds davinci0, the chip the kubelet-side id gave it:
+    the holder scan is believed; at most a warn that names both, never a fail on the annotation's word."""
+    (device,) = idle_devices(1)
+    dev = make_dev(tmp_path / "dev", {"davinci0": device})
+    with pod_cgroups(1) as (cgroup,), holding(dev / "davinci0") as child:
+        cgroup.add(child.pid)
+        meta = named_pod(tmp_path, cgroup, "team-a", "vc-job-0", "worker")
+        kubelet.allocate("team-a", "vc-job-0", "worker", ASCEND, "Ascend910-0")
+        real = PodMeta(meta.uid, meta.namespace, meta.name, {"huawei.com/AscendReal": "Ascend910-6"})
+        findings, _ = run_probe(ctx_for(tmp_path, dev, kubelet, StaticPods(real)))
+        child.kill()
+    held = mine(findings[("npu.holders", "npu0")], child.pid)
+    assert (held.status, held.reason) == (Status.WARN, "NpuAllocationDisagrees"), held.message
+    assert "held by pod team-a/vc-job-0" in held.message and "AscendReal names Ascend910-6" in held.message
+    assert held.observed["annotation_disagrees"][0]["annotation"] == "Ascend910-6"
+    assert not any(f.status == Status.FAIL for f in findings.values()), [f for f in findings.values()]
 
 
 # --- (c) no longer offered, (d) free in the ledger ---------------------------------------------------------

@@ -466,7 +466,8 @@ def test_errors_on_an_npu_or_the_port_above_it_carry_the_device(tree: SysTree) -
     assert (aer["0000:01:00.0"].device, aer["0000:00:01.0"].device) == (0, 0)
     link = findings(out, "pcie.link")
     assert link["0000:82:00.0"].device == 1 and link["0000:83:00.0"].message.startswith("npu1 (0000:83:00.0): link")
-    assert ready(out, {0, 2, 3})  # a job on other devices is not refused
+    assert ready(out, {0})  # a job on the node's other device is not refused
+    assert not ready(out, {0, 2, 3})  # devices 2 and 3 are not this node's: NoSuchDevice, never ready on a guess
     assert not ready(out, {1}) and not ready(out, None)
 
 
