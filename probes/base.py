@@ -67,6 +67,9 @@ CATEGORIES: Mapping[str, Category] = {
         Category("gpu", "GPUHealthy", "NVIDIA GPU"),
         Category("storage", "StorageHealthy", "Storage"),
         Category("network", "NetworkHealthy", "Network"),
+        # The links between the nodes' chips (InfiniBand/RoCE HCA ports, the collective's interface): a problem
+        # here hurts multi-node jobs only, so single-node jobs may tolerate its taint (docs/kubernetes.md).
+        Category("interconnect", "InterconnectHealthy", "Interconnect"),
         Category("time", "ClockSynced", "Clock"),
         Category("host", "HostHealthy", "Host"),
     )

@@ -1,6 +1,6 @@
 """What the Node should carry, computed from one health snapshot: a pure function, no API.
 
-Per category (npu, gpu, storage, network, time, host) one taint intent and one condition intent; one
+Per category (npu, gpu, storage, network, interconnect, time, host) one taint intent and one condition intent; one
 `<prefix>/ready` label intent; and the events findings ask for. An intent may be "hold": keep whatever
 the Node carries now, because the agent has no fresh result to decide on (start-up, stale results) —
 that is what keeps a restart from flapping a node.
