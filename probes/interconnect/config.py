@@ -40,6 +40,15 @@ class InterconnectConfig(Section):
     # Where the counter windows are kept between agent restarts (the pod's /tmp, an emptyDir, survives a container
     # restart; "" keeps them in memory only).
     state_file: str = "/tmp/node-health/interconnect-ports.json"
+    # NVLink (the gpu.links probe, docs/probes/gpu.md): active links each GPU must have; null: as many as the GPU
+    # of this node with the most (on an HGX board every GPU has the same number, so the one with fewer has lost
+    # links).
+    nvlink_expected_active_links: int | None = Field(None, ge=0)
+    # Replay + CRC error increase within window_seconds that warns (NvlinkErrors); any recovery error fails.
+    nvlink_error_threshold: int = Field(100, ge=1)
+    nvlink_state_file: str = "/tmp/node-health/nvlink.json"
+    # On NVSwitch systems: nv-fabricmanager must run as a host process (FabricManagerDown otherwise).
+    fabric_manager_check: bool = True
 
     @field_validator("expected_ports")
     @classmethod
