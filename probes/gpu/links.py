@@ -34,6 +34,7 @@ from probes.base import (
 )
 from probes.gpu.backends import find_tools
 from probes.gpu.config import GpuConfig
+from probes.gpu.gpu import device_minors
 from probes.gpu.links_smi import FabricState, GpuLinks, parse_errors, parse_fabric, parse_status
 from probes.interconnect.config import InterconnectConfig
 from probes.interconnect.window import CounterWindows
@@ -139,13 +140,18 @@ class GpuLinksProbe(Probe):
         self._windows: CounterWindows | None = None
 
     def applicable(self, ctx: ProbeContext) -> str | None:
-        if find_tools(ctx, ctx.settings(GpuConfig)).smi_commands:
+        cfg = ctx.settings(GpuConfig)
+        if not cfg.expected_gpus and not device_minors(ctx.host.dev):
+            return "no NVIDIA GPU on this host (no /dev/nvidiaN, gpu.expected_gpus unset)"
+        if find_tools(ctx, cfg).smi_commands:
             return None
         return "no nvidia-smi on this host (NVLink and the fabric are read through it)"
 
     def _run_smi(self, ctx: ProbeContext, command: tuple[str, ...], *args: str) -> str:
         timeout = max(0.1, min(ctx.settings(GpuConfig).smi_timeout_seconds, ctx.remaining()))
         result = ctx.host.run([*command, *args], timeout=timeout)
+        if result.not_found:
+            raise Unreadable(f"{command[0]} not found")
         if result.timed_out:
             raise Unreadable(f"nvidia-smi {' '.join(args)} did not answer within {timeout:g}s")
         if result.returncode != 0 and "does not have or support" not in result.output.lower():

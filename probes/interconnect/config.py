@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Literal
 
@@ -49,6 +50,24 @@ class InterconnectConfig(Section):
     nvlink_state_file: str = "/tmp/node-health/nvlink.json"
     # On NVSwitch systems: nv-fabricmanager must run as a host process (FabricManagerDown otherwise).
     fabric_manager_check: bool = True
+    # The collective's interface (the network.collective probe, docs/probes/network.md): what jobs give
+    # NCCL_SOCKET_IFNAME / HCCL_SOCKET_IFNAME, in their syntax (`ib0`, a prefix list `ib,eth`, `^docker,lo` to
+    # exclude, `=eth0` for exact names); "" when jobs set nothing.
+    collective_ifname: str = ""
+    # Subnets the collective's peers are on (CIDRs): the route to each must leave by the collective's interface.
+    collective_peer_subnets: list[str] = []
+    # Network namespace to inspect (a path such as /run/netns/x); "": the host's.
+    collective_netns: str = ""
+
+    @field_validator("collective_peer_subnets")
+    @classmethod
+    def _subnets(cls, values: list[str]) -> list[str]:
+        for value in values:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a subnet like 10.20.0.0/16") from None
+        return values
 
     @field_validator("expected_ports")
     @classmethod

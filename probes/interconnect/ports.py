@@ -46,9 +46,9 @@ def port_samples(reading: PortReading) -> list[Sample]:
     (node_infiniband_*) join without label_replace."""
     labels = {"device": reading.hca, "port": reading.port}
     out = [
-        Sample("nodehealth_infiniband_port_state_id", "HCA port state (4: ACTIVE)", float(reading.state[0]), labels),
+        Sample("nodehealth_interconnect_port_state_id", "HCA port state (4: ACTIVE)", float(reading.state[0]), labels),
         Sample(
-            "nodehealth_infiniband_port_physical_state_id",
+            "nodehealth_interconnect_port_physical_state_id",
             "HCA port physical state (5: LinkUp)",
             float(reading.phys_state[0]),
             labels,
@@ -57,7 +57,7 @@ def port_samples(reading: PortReading) -> list[Sample]:
     if reading.rate_gbps is not None:
         out.append(
             Sample(
-                "nodehealth_infiniband_port_rate_bytes_per_second",
+                "nodehealth_interconnect_port_rate_bytes_per_second",
                 "HCA port rate",
                 reading.rate_gbps * 1e9 / 8,
                 labels,
@@ -65,7 +65,7 @@ def port_samples(reading: PortReading) -> list[Sample]:
         )
     out.extend(
         Sample(
-            "nodehealth_infiniband_port_counter_total",
+            "nodehealth_interconnect_port_errors_total",
             "HCA port error counters since the driver loaded, by counter (the sysfs file's name)",
             float(value),
             {**labels, "counter": name},

@@ -97,7 +97,12 @@ def run(tmp: Path, node: Node, probe: GpuLinksProbe, proc: Path | None = None, *
     section.setdefault("nvlink_state_file", str(tmp / "nvlink.json"))
     config = parse_config(
         {
-            "gpu": {"smi_command": [smi], "nvml_library": str(tmp / "absent.so"), "smi_timeout_seconds": 2},
+            "gpu": {
+                "smi_command": [smi],
+                "nvml_library": str(tmp / "absent.so"),
+                "smi_timeout_seconds": 2,
+                "expected_gpus": 8,
+            },
             "interconnect": section,
         }
     )

@@ -47,7 +47,7 @@ class FakeNode:
         smi = fake_smi(self.tmp, self.gpus)
         config = parse_config(
             {
-                "gpu": {"smi_command": [smi], "nvml_library": str(self.tmp / "absent.so")},
+                "gpu": {"smi_command": [smi], "nvml_library": str(self.tmp / "absent.so"), "expected_gpus": 8},
                 "interconnect": {
                     "state_file": str(self.tmp / "ports.json"),
                     "nvlink_state_file": str(self.tmp / "nvlink.json"),

@@ -148,7 +148,7 @@ def test_a_node_without_nvswitch_or_nvlink_skips(tmp_path: Path) -> None:
     smi = fake_smi(tmp_path / "pcie", node)
     (tmp_path / "pcie" / "s.txt").write_text("".join(f"GPU {i}: NVIDIA A10 (UUID: {UUIDS[i]})\n" for i in range(8)))
     (tmp_path / "pcie" / "e.txt").write_text("")
-    config = parse_config({"gpu": {"smi_command": [smi], "nvml_library": "/absent.so"}})
+    config = parse_config({"gpu": {"smi_command": [smi], "nvml_library": "/absent.so", "expected_gpus": 8}})
     _, found, _ = execute(GpuLinksProbe(Clock()), Host(proc=fabric_proc(tmp_path, False)), config, 20.0)
     assert {f.reason for f in found} == {"NotApplicable"}
 

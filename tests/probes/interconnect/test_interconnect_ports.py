@@ -199,7 +199,7 @@ def test_samples_carry_node_exporter_labels(tree: InfinibandTree, tmp_path: Path
     tree.set_counter("mlx5_0/1", "symbol_error", 12)
     out = InterconnectPortsProbe(Clock()).run(ctx(tree, tmp_path))
     samples = [s for s in out if isinstance(s, Sample)]
-    rate = [s for s in samples if s.name == "nodehealth_infiniband_port_rate_bytes_per_second"]
+    rate = [s for s in samples if s.name == "nodehealth_interconnect_port_rate_bytes_per_second"]
     assert len(rate) == 8 and rate[0].value == 50e9 and dict(rate[0].labels) == {"device": "mlx5_0", "port": "1"}
     (symbol,) = [s for s in samples if s.labels.get("counter") == "symbol_error" and s.labels["device"] == "mlx5_0"]
     assert symbol.value == 12 and symbol.kind == "counter"
