@@ -425,11 +425,11 @@ def test_cli_check_only_gpu_end_to_end(tmp_path: Path) -> None:
     assert document["ready"] is False
     failing = [(f["check"], f["subject"], f["reason"]) for f in document["findings"] if f["status"] == "fail"]
     assert failing == [("gpu.health", "gpu1", "GpuRecoveryRequired")]
-    # 8 GPUs x 4 checks, gpu.ledger's skip (no kubelet here), and gpu.nvlink and gpu.fabric unknown: this fake
-    # nvidia-smi answers no `nvlink` query
+    # 8 GPUs x 4 checks, gpu.ledger's skip (no kubelet here), and gpu.nvlink and gpu.fabric skipped: no
+    # /dev/nvidiaN in this fake host's dev and gpu.expected_gpus unset
     assert len(document["findings"]) == 35
-    unread = {(f["check"], f["reason"]) for f in document["findings"] if f["check"] in ("gpu.nvlink", "gpu.fabric")}
-    assert unread == {("gpu.nvlink", "GpuLinksUnreadable"), ("gpu.fabric", "GpuLinksUnreadable")}
+    links = {(f["check"], f["reason"]) for f in document["findings"] if f["check"] in ("gpu.nvlink", "gpu.fabric")}
+    assert links == {("gpu.nvlink", "NotApplicable"), ("gpu.fabric", "NotApplicable")}
 
 
 def test_list_with_mig_devices_under_their_gpu() -> None:
