@@ -217,3 +217,14 @@ def test_parsers() -> None:
 def test_bad_expected_port_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"interconnect\.expected_ports"):
         parse_config({"interconnect": {"expected_ports": ["mlx5_0"]}})
+
+
+def test_ready_checks_can_ask_for_the_interconnect_category_or_leave_it_out() -> None:
+    from agent.ready import parse_checks, selects
+
+    known = ["interconnect.ports", "gpu.nvlink", "network.dns"]
+    assert parse_checks("interconnect", known) == ("interconnect",)
+    assert parse_checks("gpu,network", known) == ("gpu", "network")
+    assert selects("interconnect", "interconnect.ports")
+    assert not selects("gpu", "interconnect.ports") and not selects("network", "interconnect.ports")
+    assert not selects("interconnect", "gpu.nvlink")  # an NVLink is its GPU's: /ready?checks=gpu
