@@ -383,6 +383,9 @@ class Probe(ABC):
     needs: ClassVar[str] = "nothing beyond /proc"
     # Config lists whose emptiness makes the probe not apply (e.g. ("mounts",) in its family's section).
     skip_when_empty: ClassVar[tuple[str, ...]] = ()
+    # Categories its findings can carry besides their checks' own (a Check's or a finding's category override,
+    # such as network.collective's interconnect), so selecting a category selects the probe (`check --only`).
+    categories: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

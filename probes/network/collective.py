@@ -138,6 +138,7 @@ def read_collective(netns_label: str, subnets: list[str]) -> tuple[NetSnapshot, 
 class CollectiveProbe(Probe):
     name = "network.collective"
     checks = ("network.collective",)
+    categories = ("interconnect",)
     reasons = COLLECTIVE_REASONS
     default_interval = 60.0
     default_timeout = 10.0
