@@ -1,9 +1,13 @@
 """gpu.nvlink and gpu.fabric: each GPU's NVLinks and, on NVSwitch systems, its fabric state and the fabric manager.
 
-Its own probe (not part of `gpu`), so a hung `nvidia-smi nvlink` delays no other check. Through nvidia-smi
-(found like the gpu probe's, probes/gpu/backends.py): `nvidia-smi -q` for each GPU's identity and Fabric section,
-`nvidia-smi nvlink -s` for link states, `nvidia-smi nvlink -e` for the error counters; each call bounded by
-`gpu.smi_timeout_seconds` and the run's deadline. Every finding is about one GPU and carries its identity
+Its own probe (not part of `gpu`), so a hung NVML call or `nvidia-smi nvlink` delays no other check. Through NVML
+where it loads (found like the gpu probe's, probes/gpu/backends.py; the reads in probes/gpu/links_nvml.py: link
+states, error counters and fabric info per GPU in one pass), else through nvidia-smi (probes/gpu/links_smi.py):
+`nvidia-smi -q` for each GPU's identity and Fabric section, `nvidia-smi nvlink -s` for link states,
+`nvidia-smi nvlink -e` for the error counters; each call bounded by `gpu.smi_timeout_seconds` and the run's
+deadline. Both give the counters the same names, so the window goes on when the backend changes. An NVML error
+on one GPU makes that GPU's check unknown (GpuLinksUnreadable with the error); NOT_SUPPORTED (a GPU without
+NVLink, a fabric before Hopper) is no finding about it. Every finding is about one GPU and carries its identity
 (device index, UUID, PCI Bus-Id, /dev minor under the OBSERVED_* keys) as gpu.health's do, so a bad link
 isolates that GPU, not the node. The thresholds are in the `interconnect:` section (docs/probes/interconnect.md).
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from probes.base import (
@@ -35,7 +40,9 @@ from probes.base import (
 from probes.gpu.backends import find_tools
 from probes.gpu.config import GpuConfig
 from probes.gpu.gpu import device_minors
+from probes.gpu.links_nvml import read_links_nvml
 from probes.gpu.links_smi import FabricState, GpuLinks, parse_errors, parse_fabric, parse_status
+from probes.gpu.nvml import NvmlUnavailable
 from probes.interconnect.config import InterconnectConfig
 from probes.interconnect.window import CounterWindows
 from probes.runtime.procfs import process_info
@@ -78,8 +85,10 @@ FABRIC_MANAGER_DOWN = Reason(
 LINKS_UNREADABLE = Reason(
     "GpuLinksUnreadable",
     Status.UNKNOWN,
-    "nvidia-smi did not answer (timed out or failed) for the NVLink or fabric query",
-    "run `nvidia-smi nvlink -s` and `nvidia-smi -q` by hand; a hung nvidia-smi points at a wedged GPU or driver",
+    "NVML returned an error for the GPU's NVLink or fabric query (not NOT_SUPPORTED), or nvidia-smi did not "
+    "answer (timed out or failed)",
+    "run `nvidia-smi nvlink -s -i N` and `nvidia-smi -q -i N` by hand; an NVML error such as GPU is lost, or a hung "
+    "nvidia-smi, points at a wedged GPU or driver (gpu.health names it): reset the GPU or drain the node",
 )
 LINK_REASONS = (NVLINK_DOWN, NVLINK_ERRORS, FABRIC_NOT_READY, FABRIC_MANAGER_DOWN, LINKS_UNREADABLE)
 FABRIC_MANAGER_COMM = "nv-fabricmanage"  # nv-fabricmanager, as the kernel's 15-byte task name keeps it
@@ -133,7 +142,7 @@ class GpuLinksProbe(Probe):
     reasons = LINK_REASONS
     default_interval = 60.0
     default_timeout = 20.0
-    needs = "nvidia-smi (nvlink -s, nvlink -e, -q); /proc for nv-fabricmanager"
+    needs = "NVML (libnvidia-ml.so.1), else nvidia-smi (nvlink -s, nvlink -e, -q); /proc for nv-fabricmanager"
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock or time.time
@@ -143,9 +152,9 @@ class GpuLinksProbe(Probe):
         cfg = ctx.settings(GpuConfig)
         if not cfg.expected_gpus and not device_minors(ctx.host.dev):
             return "no NVIDIA GPU on this host (no /dev/nvidiaN, gpu.expected_gpus unset)"
-        if find_tools(ctx, cfg).smi_commands:
+        if find_tools(ctx, cfg).any:
             return None
-        return "no nvidia-smi on this host (NVLink and the fabric are read through it)"
+        return "neither NVML nor nvidia-smi on this host (NVLink and the fabric are read through them)"
 
     def _run_smi(self, ctx: ProbeContext, command: tuple[str, ...], *args: str) -> str:
         timeout = max(0.1, min(ctx.settings(GpuConfig).smi_timeout_seconds, ctx.remaining()))
@@ -163,20 +172,47 @@ class GpuLinksProbe(Probe):
         why = self.applicable(ctx)
         if why is not None:
             return [NVLINK.report(NOT_APPLICABLE, "", why), FABRIC.report(NOT_APPLICABLE, "", why)]
-        command = find_tools(ctx, ctx.settings(GpuConfig)).smi_commands[0]
+        tools = find_tools(ctx, ctx.settings(GpuConfig))
+        nvml_error = ""
+        if tools.nvml is not None:
+            try:
+                reading = read_links_nvml(tools.nvml)
+                return self._judge(ctx, "nvml", reading.fabric, reading.links, reading.links)
+            except NvmlUnavailable as exc:
+                nvml_error = f"NVML: {exc}"
+        if not tools.smi_commands:
+            message = f"{nvml_error}; no nvidia-smi to fall back on ({tools.looked})"
+            return [NVLINK.report(LINKS_UNREADABLE, "", message), FABRIC.report(LINKS_UNREADABLE, "", message)]
+        command = tools.smi_commands[0]
         try:
             fabric = parse_fabric(self._run_smi(ctx, command, "-q"))
             status = parse_status(self._run_smi(ctx, command, "nvlink", "-s"))
             errors = parse_errors(self._run_smi(ctx, command, "nvlink", "-e"))
         except Unreadable as exc:
-            return [NVLINK.report(LINKS_UNREADABLE, "", str(exc)), FABRIC.report(LINKS_UNREADABLE, "", str(exc))]
+            message = f"{nvml_error}; {exc}" if nvml_error else str(exc)
+            return [NVLINK.report(LINKS_UNREADABLE, "", message), FABRIC.report(LINKS_UNREADABLE, "", message)]
         except ProbeParseError as exc:
             return [NVLINK.report(PARSE_ERROR, "", str(exc)), FABRIC.report(PARSE_ERROR, "", str(exc))]
+        return self._judge(ctx, "nvidia-smi", fabric, status, errors)
+
+    def _judge(
+        self,
+        ctx: ProbeContext,
+        source: str,
+        fabric: list[FabricState],
+        status: dict[int, GpuLinks],
+        errors: dict[int, GpuLinks],
+    ) -> ProbeOutput:
         settings = ctx.settings(InterconnectConfig)
         out: ProbeOutput = []
         out.extend(self._nvlink(fabric, status, errors, settings))
         out.extend(self._fabric(ctx, fabric, settings))
-        return out
+        return [
+            replace(item, observed={**item.observed, "source": source})
+            if isinstance(item, Finding) and item.subject
+            else item
+            for item in out
+        ]
 
     def _windows_for(self, settings: InterconnectConfig) -> CounterWindows:
         windows = self._windows
@@ -192,16 +228,28 @@ class GpuLinksProbe(Probe):
         errors: dict[int, GpuLinks],
         settings: InterconnectConfig,
     ) -> ProbeOutput:
-        if not any(gpu.speeds for gpu in status.values()):
-            return [NVLINK.report(NOT_APPLICABLE, "", "no GPU of this node has NVLinks (nvidia-smi nvlink -s)")]
+        if not any(gpu.states or gpu.error for gpu in status.values()):
+            return [NVLINK.report(NOT_APPLICABLE, "", "no GPU of this node has NVLinks")]
         expected = settings.nvlink_expected_active_links
         if expected is None:
-            expected = max(gpu.active for gpu in status.values())
+            expected = max((gpu.active for gpu in status.values() if not gpu.error), default=0)
         windows = self._windows_for(settings)
         out: ProbeOutput = []
         keys: list[str] = []
         for index, links in sorted(status.items()):
             identity = fabric[index] if index < len(fabric) else None
+            if links.error:
+                message = f"GPU {index}: NVLinks unreadable: {links.error}"
+                observed = _identity(identity, index, links)
+                out.append(NVLINK.report(LINKS_UNREADABLE, f"gpu{index}", message, observed, device=index))
+                keys.extend(windows.keys_of(f"{links.uuid or index}/"))  # its window waits for the next reading
+                continue
+            if not links.states and settings.nvlink_expected_active_links is None:
+                # NVML NOT_SUPPORTED, or no link line: a GPU without NVLink (a PCIe card beside HGX ones)
+                message = f"GPU {index} has no NVLinks"
+                observed = _identity(identity, index, links)
+                out.append(NVLINK.report(NOT_APPLICABLE, f"gpu{index}", message, observed, device=index))
+                continue
             labels = _labels(index, identity, links)
             counters = errors.get(index, GpuLinks(index)).counters
             for link, values in counters.items():
@@ -218,12 +266,12 @@ class GpuLinksProbe(Probe):
                             kind="counter",
                         )
                     )
-            for link, speed in links.speeds.items():
+            for link, up in links.states.items():
                 out.append(
                     Sample(
                         "nodehealth_gpu_nvlink_active",
                         "1 while the GPU's NVLink is active",
-                        float(speed is not None),
+                        float(up),
                         {**labels, "link": str(link)},
                     )
                 )
@@ -252,7 +300,7 @@ class GpuLinksProbe(Probe):
                     increases[name] = increases.get(name, 0) + rise
         observed.update({f"{name}_in_window": value for name, value in increases.items()})
         if links.active < expected:
-            down = sorted(link for link, speed in links.speeds.items() if speed is None)
+            down = sorted(link for link, up in links.states.items() if not up)
             message = f"GPU {index}: {links.active} of {expected} NVLinks active (inactive: {down})"
             return NVLINK.report(NVLINK_DOWN, subject, message, observed, device=index)
         hard = sum(increases.get(name, 0) for name in HARD_COUNTERS)
@@ -268,12 +316,24 @@ class GpuLinksProbe(Probe):
     def _fabric(ctx: ProbeContext, fabric: list[FabricState], settings: InterconnectConfig) -> ProbeOutput:
         if not any(gpu.supported for gpu in fabric):
             why = "not an NVSwitch system (every GPU's fabric state is N/A)"
-            return [FABRIC.report(NOT_APPLICABLE, "", why)]
+            out: ProbeOutput = [FABRIC.report(NOT_APPLICABLE, "", why)]
+            for index, gpu in enumerate(fabric):  # no GPU has a fabric state; one that could not say is unknown
+                if gpu.error:
+                    message = f"GPU {index}: fabric state unreadable: {gpu.error}"
+                    observed = _identity(gpu, index, None)
+                    out.append(FABRIC.report(LINKS_UNREADABLE, f"gpu{index}", message, observed, device=index))
+            return out if len(out) == 1 else out[1:]
         manager = not settings.fabric_manager_check or fabric_manager_running(ctx.host.proc)
-        out: ProbeOutput = []
+        out = []
         for index, gpu in enumerate(fabric):
             subject = f"gpu{index}"
             observed = {**_identity(gpu, index, None), "state": gpu.state, "status": gpu.status}
+            if gpu.health_mask is not None:
+                observed["health_mask"] = gpu.health_mask
+            if gpu.error:
+                message = f"GPU {index}: fabric state unreadable: {gpu.error}"
+                out.append(FABRIC.report(LINKS_UNREADABLE, subject, message, observed, device=index))
+                continue
             out.append(
                 Sample(
                     "nodehealth_gpu_fabric_completed",

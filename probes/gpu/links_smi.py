@@ -26,17 +26,23 @@ MAX_LINKS = 64
 
 @dataclass
 class GpuLinks:
+    """One GPU's NVLinks, as either backend reads them (nvidia-smi here, NVML in probes/gpu/links_nvml.py)."""
+
     index: int
     name: str = ""
     uuid: str = ""
-    # link → speed in GB/s (None: inactive)
-    speeds: dict[int, float | None] = field(default_factory=dict)
+    # link → active (nvidia-smi: a speed printed; NVML: NVML_FEATURE_ENABLED)
+    states: dict[int, bool] = field(default_factory=dict)
+    # link → speed in GB/s, where nvidia-smi printed one
+    speeds: dict[int, float] = field(default_factory=dict)
     # link → counter name (`replay_errors`) → value
     counters: dict[int, dict[str, int]] = field(default_factory=dict)
+    # why this GPU's links could not be read (an NVML error); "" when they were
+    error: str = ""
 
     @property
     def active(self) -> int:
-        return sum(1 for speed in self.speeds.values() if speed is not None)
+        return sum(1 for up in self.states.values() if up)
 
 
 def _blocks(text: str) -> list[tuple[GpuLinks, list[str]]]:
@@ -66,11 +72,13 @@ def parse_status(text: str) -> dict[int, GpuLinks]:
                 if "does not have or support" in line.lower():
                     continue
                 raise SmiParseError(f"nvidia-smi nvlink -s: unexpected line {line[:80]!r}")
-            if len(gpu.speeds) >= MAX_LINKS:
+            if len(gpu.states) >= MAX_LINKS:
                 break
             value = match["value"].strip()
             speed = _SPEED.match(value)
-            gpu.speeds[int(match["link"])] = float(speed["speed"]) if speed else None
+            gpu.states[int(match["link"])] = speed is not None
+            if speed is not None:
+                gpu.speeds[int(match["link"])] = float(speed["speed"])
         out[gpu.index] = gpu
     return out
 
@@ -106,6 +114,8 @@ class FabricState:
     minor: int | None
     state: str  # "Completed", "In Progress", "Not Started", "N/A", "" when the section is absent
     status: str
+    error: str = ""  # why NVML could not read it; "" when it could (or nvidia-smi read it)
+    health_mask: int | None = None  # NVML's healthMask (nvmlGpuFabricInfo_v2+), where read
 
     @property
     def supported(self) -> bool:

@@ -80,6 +80,10 @@ class CounterWindows:
         else:
             self._events.pop(key, None)
 
+    def keys_of(self, prefix: str) -> list[str]:
+        """The counters kept under `prefix` (a device's), so a run that could not read them can retain them."""
+        return [key for key in self._last if key.startswith(prefix)]
+
     def retain(self, keys: Iterable[str]) -> None:
         """Forget counters no longer read (a port removed), so the file does not grow without end."""
         keep = set(keys)

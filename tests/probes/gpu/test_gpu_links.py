@@ -71,7 +71,7 @@ def test_a_down_link_fails_that_gpu_only_and_clears(tmp_path: Path, rendering: s
     assert finding.observed["device_ids"] == [UUIDS[5]]
     node.inactive.clear()
     assert not bad(run(tmp_path / "r", node, probe), "gpu.nvlink")
-    assert parse_status(STATUS_I0.replace("Link 7: 25 GB/s", f"Link 7: {rendering}"))[0].speeds[7] is None
+    assert parse_status(STATUS_I0.replace("Link 7: 25 GB/s", f"Link 7: {rendering}"))[0].states[7] is False
 
 
 def test_link_errors_within_the_window_warn_or_fail_and_clear(tmp_path: Path) -> None:
