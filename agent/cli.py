@@ -13,9 +13,9 @@ from typing import Any, NoReturn
 from agent.checktable import format_table, terminal_style
 from agent.config import Config, ConfigError, default_config_yaml, load_config, load_config_tolerant
 from agent.logs import configure_logging
-from agent.ready import BadQuery, ReadyQuery, judge, matches_any, validate_selectors
+from agent.ready import BadQuery, ReadyQuery, judge, matches_any, matches_finding, validate_selectors
 from agent.scheduler import Scheduler, build_state, instantiate
-from agent.snapshot import Snapshot, Verdict
+from agent.snapshot import Snapshot, Verdict, reason_dict
 from agent.version import __version__
 from probes import all_probes
 from probes.base import Probe
@@ -151,11 +151,16 @@ def run_check(config: Config, probe_classes: dict[str, type[Probe]], only: tuple
     for probe in probes.values():
         probe.configure(config)  # the checks of a probe that takes them from the config (site checks)
     if only is not None:
-        probes = {n: p for n, p in probes.items() if any(matches_any(c, only) for c in p.checks)}
+        probes = {n: p for n, p in probes.items() if probe_selected(p, only)}
     state = build_state(config)
     scheduler = Scheduler(probes, config, Host.from_config(config.section(HostConfig)), state, one_shot=True)
     scheduler.run_all_once()
     return state.current()
+
+
+def probe_selected(probe: Probe, only: tuple[str, ...]) -> bool:
+    """Whether --only selects a check of the probe, by name or by a category its findings can carry."""
+    return any(matches_any(check, only) for check in probe.checks) or any(c in only for c in probe.categories)
 
 
 def verdict_of(snapshot: Snapshot, only: tuple[str, ...] | None) -> Verdict:
@@ -189,13 +194,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         document: dict[str, Any] = snapshot.to_document()
         if only:
-            document["findings"] = [f for f in document["findings"] if matches_any(f["check"], only)]
+            document["findings"] = [f for f in document["findings"] if matches_any(f["check"], only, f.get("category"))]
             document["ready"] = verdict.ready
-            document["reasons"] = [r for r in document["reasons"] if matches_any(r["check"], only)]
+            document["reasons"] = [reason_dict(finding) for finding in verdict.reasons]
         document["cpu"] = cpulimit.observe().status()
         print(json.dumps(document, indent=2))
     else:
-        findings = [s.finding for s in snapshot.checks if not only or matches_any(s.finding.check, only)]
+        findings = [s.finding for s in snapshot.checks if not only or matches_finding(s.finding, only)]
         style = terminal_style(sys.stdout)
         cpu = cpu_line(cpulimit.observe().status())
         print(format_table(snapshot.node, findings, verdict.ready, len(verdict.reasons), style, args.problems, cpu))

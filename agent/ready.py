@@ -49,15 +49,24 @@ _POD_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 # --- selectors --------------------------------------------------------------------------------------
 
 
-def selects(selector: str, check: str) -> bool:
-    """`npu` selects npu.*, `storage.locks` selects itself; a category selects its checks (pcie → host)."""
+def selects(selector: str, check: str, category: str | None = None) -> bool:
+    """`npu` selects npu.*, `storage.locks` selects itself; a category selects the results in it: by their
+    check's name (pcie → host) unless the result carries a per-check override (`category`: a finding's own, such
+    as network.collective's interconnect or a kernel.log rule's). So `interconnect` selects interconnect.ports
+    and network.collective, `network` still selects network.collective by its name, and `host` leaves out a
+    kernel.log rule's interconnect finding."""
     if check == selector or check.startswith(selector + "."):
         return True
-    return selector in CATEGORIES and category_of(check) == selector
+    return selector in CATEGORIES and category_of(check, category) == selector
 
 
-def matches_any(check: str, selectors: Collection[str]) -> bool:
-    return any(selects(selector, check) for selector in selectors)
+def matches_any(check: str, selectors: Collection[str], category: str | None = None) -> bool:
+    return any(selects(selector, check, category) for selector in selectors)
+
+
+def matches_finding(finding: Finding, selectors: Collection[str]) -> bool:
+    """Whether `selectors` select this result, by its check's name or by its category (override included)."""
+    return matches_any(finding.check, selectors, finding.category)
 
 
 def selector_known(selector: str, known_checks: Collection[str]) -> bool:
@@ -72,7 +81,7 @@ def blocks(finding: Finding, required: Collection[str]) -> bool:
     if finding.status == Status.FAIL:
         return True
     if finding.status == Status.UNKNOWN:
-        return finding.reason in NO_FRESH_RESULT or finding.required or matches_any(finding.check, required)
+        return finding.reason in NO_FRESH_RESULT or finding.required or matches_finding(finding, required)
     return False
 
 
@@ -104,7 +113,7 @@ def evaluate(
     states = tuple(states)
     for state in states:
         finding = state.finding
-        if checks is not None and not matches_any(finding.check, checks):
+        if checks is not None and not matches_finding(finding, checks):
             continue
         if finding.device is not None and not device_selected(finding, devices, device_keys):
             continue

@@ -67,6 +67,9 @@ CATEGORIES: Mapping[str, Category] = {
         Category("gpu", "GPUHealthy", "NVIDIA GPU"),
         Category("storage", "StorageHealthy", "Storage"),
         Category("network", "NetworkHealthy", "Network"),
+        # The links between the nodes' chips (InfiniBand/RoCE HCA ports, the collective's interface): a problem
+        # here hurts multi-node jobs only, so single-node jobs may tolerate its taint (docs/kubernetes.md).
+        Category("interconnect", "InterconnectHealthy", "Interconnect"),
         Category("time", "ClockSynced", "Clock"),
         Category("host", "HostHealthy", "Host"),
     )
@@ -382,6 +385,9 @@ class Probe(ABC):
     checks_from_config: ClassVar[bool] = False
     # Config lists whose emptiness makes the probe not apply (e.g. ("mounts",) in its family's section).
     skip_when_empty: ClassVar[tuple[str, ...]] = ()
+    # Categories its findings can carry besides their checks' own (a Check's or a finding's category override,
+    # such as network.collective's interconnect), so selecting a category selects the probe (`check --only`).
+    categories: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

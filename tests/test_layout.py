@@ -349,6 +349,8 @@ CHANGED_DEFAULTS = {
         for key in ("pattern", "recover_pattern")
         if rule.get(key)
     },
+    # The mlx5 driver's port and module events joined the default rules (docs/probes/interconnect.md).
+    ("kernel_log", "rules", "#len"): len(DEFAULT_RULES),
 }
 
 

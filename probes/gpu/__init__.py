@@ -1,11 +1,13 @@
-"""NVIDIA GPUs through NVML (nvidia-smi as the fallback): ECC, retirement, throttling, memory, holders.
+"""NVIDIA GPUs through NVML (nvidia-smi as the fallback): ECC, retirement, throttling, memory, holders, NVLink and
+the NVSwitch fabric.
 
-- `gpu`: the probe (gpu.health, gpu.throttle, gpu.memory, gpu.holders); `config`: the `gpu:` section.
-- `backends`: where the NVIDIA tools are, and reading every GPU: `nvml` (NVML, first) or `nvidia_smi` (the
-  fallback's pure parsers), both into `model`, the one state the checks judge.
-- `findings`: the judgements on one GPU's state; `holder_findings`: who holds each GPU; `ledger_findings`: the
-  GPUs as the device plugin's ledger has them (gpu.ledger).
-- `metrics`: the per-GPU samples; `reasons`: the checks and every reason the family gives.
+- `gpu`: the gpu probe (gpu.health, gpu.throttle, gpu.memory, gpu.holders, gpu.ledger); `reasons`, `findings`,
+  `holder_findings`, `ledger_findings`: its checks' reasons and judgements; `metrics`: its samples;
+- `model`: the GPUs' state as either backend reads it; `backends`: where NVML and nvidia-smi are, and the read;
+  `nvml`: the NVML pass (shared by gpu.links); `nvidia_smi`: the nvidia-smi parsers;
+- `links`: the gpu.links probe (gpu.nvlink, gpu.fabric); `links_nvml`: its NVML reads; `links_smi`: its
+  nvidia-smi parsers and the link/fabric model both backends fill;
+- `config`: the `gpu:` section.
 """
 
 from __future__ import annotations

@@ -19,11 +19,14 @@ from typing import Any, TypeVar
 from probes.gpu.model import EnumerationFailure, GpuInventory, GpuProcess, GpuState
 
 # NVML return codes (nvml.h nvmlReturn_t) this module interprets.
+NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_RESET_REQUIRED = 16
 NVML_ERROR_CORRUPTED_INFOROM = 14
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 
 # nvmlDeviceGetFieldValues field id (nvml.h NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) and its values.
 FIELD_GPU_RECOVERY_ACTION = 230
@@ -63,6 +66,12 @@ def read_nvml(library: str = "") -> GpuInventory:
 
     `library`: path of libnvidia-ml.so.1 to load; empty: the dynamic loader's search path.
     """
+    return nvml_pass(library, _read_devices)
+
+
+def nvml_pass(library: str, read: Callable[[Any], T]) -> T:
+    """init, `read(pynvml)`, shutdown, one pass at a time (the gpu probe's and gpu.links' share the library).
+    Raises NvmlUnavailable when NVML cannot be loaded or initialised."""
     try:
         import pynvml
     except ImportError as exc:  # nvidia-ml-py is a dependency; an image without it falls back to nvidia-smi
@@ -78,7 +87,7 @@ def read_nvml(library: str = "") -> GpuInventory:
         except pynvml.NVMLError as exc:
             raise NvmlUnavailable(f"NVML init failed: {exc}") from None
         try:
-            return _read_devices(pynvml)
+            return read(pynvml)
         finally:
             with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()

@@ -21,6 +21,12 @@ DEVICE_PREFIX = r"^\S+ \S+: "
 # which reads [ERROR] as the module and the module as the function and leaves the whole "<name:pid:tid> " to
 # the rule.
 ASCEND_PREFIX = r"^(?>\[ascend\] (?:\[ERROR\] )?\[[^\]]+\] \[[^\]]+\] (?:<.*:\d+:\d+> |(?!<)))"
+# The mlx5 driver's dev_printk prefix, with the device's PCI address in full ("mlx5_core 0000:5c:00.0: "): a task
+# name is at most 15 bytes and the kernel follows it with "[pid]", so a name can never spell a whole address.
+# mlx5_core_err() adds "<function>:<line>:(pid N): " after it (drivers/net/ethernet/mellanox/mlx5/core/
+# mlx5_core.h); netdev_info() prints "mlx5_core <address> <interface>: " instead (include/linux/netdevice.h).
+MLX5_DEVICE = r"mlx5_core (?P<pci>[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])"
+MLX5_PREFIX = r"^" + MLX5_DEVICE + r": (?:\w+:\d+:\(pid \d+\): )?"
 # Loop devices hold images (CI runners, snaps, containers' filesystems): their errors are not the node's disks'.
 NOT_LOOP = r"(?!loop\d)"
 
@@ -129,5 +135,41 @@ DEFAULT_RULES: list[dict[str, Any]] = [
         "status": "fail",
         "category": "storage",
         "hint": "XFS found corruption or an I/O error: check the disk (smartctl -a), unmount and run xfs_repair",
+    },
+    {
+        "reason": "Mlx5ModuleError",
+        "meaning": "the mlx5 driver reported a port module (cable/transceiver) error: high temperature, bad or "
+        "shorted cable, power budget exceeded, bus stuck (mlx5 core events.c, `Port module event[error]`)",
+        "pattern": MLX5_PREFIX + r"Port module event\[error\]: module (?P<module>\d+), (?P<error>.+)",
+        "status": "fail",
+        "category": "interconnect",
+        "hint": "the HCA's cable or transceiver failed (the error names why): check the module with "
+        "`mlxlink -d <pci> -m` or `ethtool -m <interface>`, cool it or replace it; interconnect.ports shows the port",
+    },
+    {
+        "reason": "Mlx5CableUnplugged",
+        "meaning": "the mlx5 driver reported a port module unplugged (`Port module event: module N, Cable unplugged`)",
+        "pattern": MLX5_PREFIX + r"Port module event: module (?P<module>\d+), Cable unplugged",
+        "status": "warn",
+        "category": "interconnect",
+        "hint": "a cable or transceiver of the HCA was pulled or lost contact: reseat it; the port is down until then",
+    },
+    {
+        "reason": "Mlx5LinkDown",
+        "meaning": "an mlx5 network interface (RoCE/Ethernet) went down (`mlx5_core <pci> <interface>: Link down`)",
+        "pattern": r"^" + MLX5_DEVICE + r" (?P<interface>[^\s:]+)(?: \([a-z]+\))?: Link down",
+        "status": "warn",
+        "category": "interconnect",
+        "hint": "the HCA's link went down: check the cable and the switch port; repeated lines within the quiet "
+        "period mean a flapping link (interconnect.ports counts link_downed)",
+    },
+    {
+        "reason": "Mlx5InsufficientPower",
+        "meaning": "the mlx5 driver found too little power on the HCA's PCIe slot (mlx5_pcie_event)",
+        "pattern": MLX5_PREFIX + r"Detected insufficient power on the PCIe slot",
+        "status": "warn",
+        "category": "interconnect",
+        "hint": "the HCA's slot gives less power than the card needs (it may throttle or drop its link): move the "
+        "card to a slot with enough power or fix the riser's power cable",
     },
 ]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from probes.base import Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
+from probes.base import CATEGORIES, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
 from probes.kernel.config import KernelLogConfig, KernelLogRule
 from probes.kernel.default_rules import DEFAULT_RULES
 from probes.kernel.kmsg import KmsgReader, ReadResult
@@ -101,6 +101,7 @@ def _counters(engine: RuleEngine, read: int, ignored: int, overwritten: int, dro
 class KernelLogProbe(Probe):
     name = "kernel.log"
     checks = (CHECK,)
+    categories = tuple(CATEGORIES)  # a rule names its own category (default rules: gpu, npu, storage, interconnect)
     reasons = (KERNEL_LOG_UNAVAILABLE, KERNEL_LOG_READ_FAILED, *DEFAULT_RULE_REASONS)
     default_interval = 15.0
     default_timeout = 5.0

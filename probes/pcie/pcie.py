@@ -216,6 +216,7 @@ def link_problems(link: LinkState, width: int, speed: float | None, check_speed:
 class PcieProbe(Probe):
     name = "pcie"
     checks = ("pcie.aer", "pcie.link")
+    categories = tuple(sorted(set(VENDOR_CATEGORY.values())))  # an accelerator's function is its device's
     reasons = (
         PCIE_FATAL,
         PCIE_NONFATAL,

@@ -59,6 +59,7 @@ NPD_REASON = "DockerHung"  # a reason only the node-problem-detector stand-in re
 # Metric name prefixes of the probe families (documented on docs/probes/*.md); every other metric is the agent's.
 FAMILY_PREFIXES = ("nodehealth_host_", "nodehealth_npu_", "nodehealth_pcie_", "nodehealth_gpu_")
 FAMILY_PREFIXES += ("nodehealth_storage_", "nodehealth_network_", "nodehealth_time_", "nodehealth_kernel_log_")
+FAMILY_PREFIXES += ("nodehealth_interconnect_",)
 # Lint findings that node-problem-detector's metric names cause: dashboards built for NPD query exactly
 # these names (docs/observability.md, core metrics), so they stay. Every other finding fails the test.
 NPD_COMPAT_LINT = {

@@ -16,7 +16,15 @@ from support.kube_double import ApiDouble, running_double
 from support.kube_helpers import Clock, conditions, foreign_taints, health_state, labels, make_agent, our_taints, record
 
 PROBES = {"storage": ("storage.mounts",), "npu": ("npu.health",)}
-OURS = {"StorageHealthy", "NPUHealthy", "GPUHealthy", "NetworkHealthy", "ClockSynced", "HostHealthy"}
+OURS = {
+    "StorageHealthy",
+    "NPUHealthy",
+    "GPUHealthy",
+    "NetworkHealthy",
+    "InterconnectHealthy",
+    "ClockSynced",
+    "HostHealthy",
+}
 _names = itertools.count()
 
 label_keys = st.sampled_from(["team", "example.com/pool", "topology.kubernetes.io/zone", "node-healthy", "a.b/c"])

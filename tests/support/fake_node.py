@@ -9,6 +9,9 @@ every probe family given something real to look at.
   device nodes exist.
 - pcie: a temporary /sys with a Huawei NPU function and its root port, AER counters and link files in the
   kernel's formats (the layout of tests/probes/pcie/test_pcie.py).
+- interconnect and gpu.links: eight ACTIVE HCA ports under the same /sys (tests/support/fake_infiniband.py), and
+  the fake nvidia-smi answering `nvlink -s`/`nvlink -e` with every GPU's 12 links active (no Fabric section in
+  the 460 capture: not an NVSwitch system).
 - storage: `/` as an expected mount, free space of the temp dir, a write probe, a stale torch FileBaton lock.
 - network and time: a DNS server (dnslib), an HTTP egress target and an SNTP server, all on 127.0.0.1.
 - kernel.log: the real /dev/kmsg when it can be read, else an empty file.
@@ -44,6 +47,8 @@ from typing import Any
 import yaml
 
 from support.cli import node_env
+from support.fake_gpu_links import Node as LinkNode
+from support.fake_infiniband import node as ib_node
 from support.fake_kubelet import FakeKubelet
 from support.kube_double import ApiDouble
 from support.netservers import DnsTestServer, HttpTestServer, SntpTestServer, ZoneResolver
@@ -182,6 +187,9 @@ def nvidia_smi_spec(fixtures: Path) -> dict[str, Any]:
                 "rc": 2,
             },
             "--query-gpu=index,pci.bus_id --format=csv,noheader": {"stdout": csv},
+            # Every GPU's 12 NVLinks active, no errors (the sourced A100 outputs, tests/support/fake_gpu_links.py).
+            "nvlink -s": {"stdout": LinkNode().status()},
+            "nvlink -e": {"stdout": LinkNode().errors()},
         },
         "default": {"stderr": "Invalid combination of input arguments.\n", "rc": 2},
     }
@@ -244,6 +252,7 @@ class FakeNode:
         work = self.workdir
         build_dev(work / "dev")
         self.npu_function = build_sysfs(work / "sys")
+        ib_node(work / "sys", 8)  # eight HCAs, one ACTIVE 400 Gb/s port each
 
         npu_spec, gpu_spec = work / "npu-smi.json", work / "nvidia-smi.json"
         npu_spec.write_text(json.dumps(npu_smi_spec(self.fixtures, work / "npu-smi.calls")))
@@ -295,6 +304,8 @@ class FakeNode:
                     "storage.space",
                     "storage.write",
                     "time",
+                    "interconnect.ports",
+                    "gpu.links",
                 )
             },
             "host": {"dev": str(work / "dev"), "sys": str(work / "sys")},
@@ -310,6 +321,10 @@ class FakeNode:
                 "smi_command": [sys.executable, str(FAKE_SMI), str(gpu_spec)],
             },
             "pcie": {"vendors": ["0x19e5"]},
+            "interconnect": {
+                "state_file": str(work / "interconnect-ports.json"),
+                "nvlink_state_file": str(work / "nvlink.json"),
+            },
             "storage": {
                 "mounts": [{"path": "/", "fstype": "*"}],
                 "space": [{"path": str(work)}],

@@ -19,7 +19,7 @@ from typing import Any
 
 from agent.config import KubernetesConfig
 from agent.kube.node.policy import NO_FRESH_RESULT, taint_key
-from agent.ready import matches_any
+from agent.ready import matches_finding
 from agent.snapshot import CheckState, Snapshot
 from probes.base import (
     OBSERVED_DEVICE_IDS,
@@ -132,7 +132,7 @@ def is_device_problem(state: CheckState, policy: KubernetesConfig) -> bool:
         and finding.category in DEVICE_CATEGORIES
         and finding.status in (Status.FAIL, Status.WARN)
         and finding.reason not in policy.disabled_reasons
-        and not matches_any(finding.check, policy.disabled_checks)
+        and not matches_finding(finding, policy.disabled_checks)
     )
 
 
@@ -164,7 +164,7 @@ def held_categories(snapshot: Snapshot, policy: KubernetesConfig) -> frozenset[s
         if state.finding.category in DEVICE_CATEGORIES
         and state.finding.status == Status.UNKNOWN
         and state.finding.reason in NO_FRESH_RESULT
-        and not matches_any(state.finding.check, policy.disabled_checks)
+        and not matches_finding(state.finding, policy.disabled_checks)
     )
 
 

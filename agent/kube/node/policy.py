@@ -1,6 +1,6 @@
 """What the Node should carry, computed from one health snapshot: a pure function, no API.
 
-Per category (npu, gpu, storage, network, time, host) one taint intent and one condition intent; one
+Per category (npu, gpu, storage, network, interconnect, time, host) one taint intent and one condition intent; one
 `<prefix>/ready` label intent; and the events findings ask for. An intent may be "hold": keep whatever
 the Node carries now, because the agent has no fresh result to decide on (start-up, stale results) —
 that is what keeps a restart from flapping a node.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from agent.config import KubernetesConfig
-from agent.ready import matches_any
+from agent.ready import matches_finding
 from agent.reasons import NO_FRESH_RESULT, STALE, WARMING_UP
 from agent.snapshot import CheckState, Snapshot
 from probes.base import CATEGORIES, Finding, Status
@@ -113,7 +113,7 @@ def effect_for(finding: Finding, policy: KubernetesConfig) -> str:
 
 
 def _ignored(finding: Finding, policy: KubernetesConfig) -> bool:
-    return finding.reason in policy.disabled_reasons or matches_any(finding.check, policy.disabled_checks)
+    return finding.reason in policy.disabled_reasons or matches_finding(finding, policy.disabled_checks)
 
 
 def _counts(finding: Finding, policy: KubernetesConfig) -> bool:
@@ -162,7 +162,7 @@ def category_intents(
 ) -> tuple[TaintIntent, ConditionIntent]:
     condition_type = CATEGORIES[category].condition_type
     disabled = policy.disabled_checks
-    relevant = [s for s in states if s.finding.status != Status.SKIP and not matches_any(s.finding.check, disabled)]
+    relevant = [s for s in states if s.finding.status != Status.SKIP and not matches_finding(s.finding, disabled)]
     if not relevant:
         return TaintIntent(category, "none"), ConditionIntent(category, condition_type, "absent")
     counted = [s for s in relevant if _counts(s.finding, policy)]

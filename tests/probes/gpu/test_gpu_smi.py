@@ -425,7 +425,11 @@ def test_cli_check_only_gpu_end_to_end(tmp_path: Path) -> None:
     assert document["ready"] is False
     failing = [(f["check"], f["subject"], f["reason"]) for f in document["findings"] if f["status"] == "fail"]
     assert failing == [("gpu.health", "gpu1", "GpuRecoveryRequired")]
-    assert len(document["findings"]) == 33  # 8 GPUs x 4 checks, and gpu.ledger's skip: no kubelet here
+    # 8 GPUs x 4 checks, gpu.ledger's skip (no kubelet here), and gpu.nvlink and gpu.fabric skipped: no
+    # /dev/nvidiaN in this fake host's dev and gpu.expected_gpus unset
+    assert len(document["findings"]) == 35
+    links = {(f["check"], f["reason"]) for f in document["findings"] if f["check"] in ("gpu.nvlink", "gpu.fabric")}
+    assert links == {("gpu.nvlink", "NotApplicable"), ("gpu.fabric", "NotApplicable")}
 
 
 def test_list_with_mig_devices_under_their_gpu() -> None:
@@ -460,9 +464,18 @@ NVIDIA_SMI_FIXTURES = [
 ]
 
 
+# NVLink and fabric outputs: the gpu.links probe's parsers read them (tests/probes/gpu/test_gpu_links.py).
+LINK_FIXTURES = {
+    "nvlink-s-i0-a100-sxm4-40gb-535.161.08.txt",
+    "nvlink-e-i0-a100-sxm4-40gb-535.161.08.txt",
+    "q-excerpt-fabric-Completed-Success.txt",
+    "q-excerpt-fabric-NA-550.txt",
+}
+
+
 def test_every_fixture_is_listed() -> None:
     present = {p.name for p in require_fixtures().joinpath("nvidia-smi").iterdir() if p.name != "SOURCES.md"}
-    assert present == set(NVIDIA_SMI_FIXTURES)
+    assert present == set(NVIDIA_SMI_FIXTURES) | LINK_FIXTURES
 
 
 @pytest.mark.parametrize("name", NVIDIA_SMI_FIXTURES)

@@ -16,6 +16,15 @@
  *   mig_uuid <MIG-uuid>                (MIG mode on, one MIG device per line, up to 7)
  *   error <nvml function name> <code>  (that call returns the code; 3 = NOT_SUPPORTED, 15 = GPU_IS_LOST)
  *   handle_error <code>                (nvmlDeviceGetHandleByIndex_v2 fails for this device)
+ *   nvlinks <n>                        links the GPU has (0, the default: NvLink calls are NOT_SUPPORTED; a link
+ *                                      number >= n is INVALID_ARGUMENT, as nvml.h documents for an invalid link)
+ *   nvlink_down <link>                 that link's state is NVML_FEATURE_DISABLED (repeatable)
+ *   nvlink_counter <link> <counter> <value>  nvmlNvLinkErrorCounter_t: 0 replay, 1 recovery, 2 CRC flit, 3 CRC data
+ *   fabric_state <0-3>                 the fabric probe's state (NVML_GPU_FABRIC_STATE_*); absent: fabric info calls
+ *                                      are NOT_SUPPORTED (not Hopper+NVSwitch)
+ *   fabric_status <nvml code>  fabric_health_mask <n>  fabric_clique <n>
+ *   fabric_v_max <2|3>                 newest nvmlGpuFabricInfoV struct version this "driver" knows (default 3;
+ *                                      a newer one is ARGUMENT_VERSION_MISMATCH)
  * $FAKE_NVML_LOG, when set, names a file each call appends its function name to.
  */
 #include <stdio.h>
@@ -26,12 +35,15 @@ typedef int nvmlReturn_t;
 enum {
     NVML_SUCCESS = 0, NVML_ERROR_UNINITIALIZED = 1, NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_NOT_SUPPORTED = 3, NVML_ERROR_NOT_FOUND = 6, NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
 };
 
 #define MAX_GPUS 16
 #define MAX_PROCS 16
 #define MAX_ERRORS 32
 #define MAX_MIG 7
+#define MAX_LINKS 36 /* NVML_NVLINK_MAX_LINKS */
+#define NVLINK_COUNTERS 5 /* NVML_NVLINK_ERROR_COUNT */
 
 struct fake_process { unsigned int pid; unsigned long long used; };
 struct fake_error { char call[80]; int code; };
@@ -51,6 +63,11 @@ struct fake_device {
     int handle_error;
     char mig_uuids[MAX_MIG][96];
     int nmig;
+    unsigned int nvlinks;
+    unsigned char nvlink_down[MAX_LINKS];
+    unsigned long long nvlink_counters[MAX_LINKS][NVLINK_COUNTERS];
+    int fabric_supported, fabric_status;
+    unsigned int fabric_state, fabric_health_mask, fabric_clique, fabric_v_max;
 };
 typedef struct fake_device *nvmlDevice_t;
 
@@ -77,6 +94,34 @@ typedef struct {
     nvmlValue_t value;
 } nvmlFieldValue_t;
 
+/* nvml.h: nvmlGpuFabricState_t is an unsigned char; the _v2/_v3 structs start with their version. */
+#define NVML_GPU_FABRIC_UUID_LEN 16
+typedef unsigned char nvmlGpuFabricState_t;
+typedef struct {
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;
+} nvmlGpuFabricInfo_t;
+typedef struct {
+    unsigned int version;
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;
+    unsigned int healthMask;
+} nvmlGpuFabricInfo_v2_t;
+typedef struct {
+    unsigned int version;
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;
+    unsigned int healthMask;
+    unsigned char healthSummary;
+} nvmlGpuFabricInfo_v3_t;
+#define NVML_STRUCT_VERSION(data, ver) (unsigned int)(sizeof(nvml##data##_v##ver##_t) | (ver << 24U))
+
 static struct fake_device devices[MAX_GPUS];
 static struct fake_device mig_devices[MAX_GPUS][MAX_MIG]; /* what MIG device handles point at */
 static int ndevices, init_error, initialized;
@@ -100,6 +145,7 @@ static void set_defaults(struct fake_device *d, int index) {
     d->memory_total = 81559ULL << 20;
     d->temperature = 35;
     d->power_mw = 70000;
+    d->fabric_v_max = 3;
 }
 
 static void load_config(void) {
@@ -151,6 +197,18 @@ static void load_config(void) {
         else if (!strcmp(key, "temperature")) d->temperature = (unsigned int)n;
         else if (!strcmp(key, "power_mw")) d->power_mw = (unsigned int)n;
         else if (!strcmp(key, "handle_error")) d->handle_error = (int)n;
+        else if (!strcmp(key, "nvlinks")) d->nvlinks = n < MAX_LINKS ? (unsigned int)n : MAX_LINKS;
+        else if (!strcmp(key, "nvlink_down") && n < MAX_LINKS) d->nvlink_down[n] = 1;
+        else if (!strcmp(key, "nvlink_counter")) {
+            unsigned int link = 0, counter = 0;
+            unsigned long long value = 0;
+            if (sscanf(rest, "%u %u %llu", &link, &counter, &value) == 3 && link < MAX_LINKS && counter < NVLINK_COUNTERS)
+                d->nvlink_counters[link][counter] = value;
+        } else if (!strcmp(key, "fabric_state")) { d->fabric_supported = 1; d->fabric_state = (unsigned int)n; }
+        else if (!strcmp(key, "fabric_status")) d->fabric_status = (int)n;
+        else if (!strcmp(key, "fabric_health_mask")) d->fabric_health_mask = (unsigned int)n;
+        else if (!strcmp(key, "fabric_clique")) d->fabric_clique = (unsigned int)n;
+        else if (!strcmp(key, "fabric_v_max")) d->fabric_v_max = (unsigned int)n;
         else if (!strcmp(key, "mig_uuid") && d->nmig < MAX_MIG)
             snprintf(d->mig_uuids[d->nmig++], sizeof d->mig_uuids[0], "%s", rest);
         else if (!strcmp(key, "compute_process") || !strcmp(key, "graphics_process")) {
@@ -381,5 +439,60 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t d, unsigned int in
     memset(mig, 0, sizeof *mig);
     snprintf(mig->uuid, sizeof mig->uuid, "%s", d->mig_uuids[index]);
     *migDevice = mig;
+    return NVML_SUCCESS;
+}
+
+/* nvml.h: NOT_SUPPORTED when the device has no NvLink, INVALID_ARGUMENT for a link it does not have. */
+static nvmlReturn_t nvlink_check(nvmlDevice_t d, unsigned int link) {
+    if (!d->nvlinks) return NVML_ERROR_NOT_SUPPORTED;
+    if (link >= d->nvlinks) return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, int *isActive) {
+    ENTER(d);
+    nvmlReturn_t r = nvlink_check(d, link);
+    if (r) return r;
+    *isActive = d->nvlink_down[link] ? 0 /* NVML_FEATURE_DISABLED */ : 1 /* NVML_FEATURE_ENABLED */;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t d, unsigned int link, int counter,
+                                             unsigned long long *counterValue) {
+    ENTER(d);
+    nvmlReturn_t r = nvlink_check(d, link);
+    if (r) return r;
+    if (counter < 0 || counter >= NVLINK_COUNTERS) return NVML_ERROR_INVALID_ARGUMENT;
+    *counterValue = d->nvlink_counters[link][counter];
+    return NVML_SUCCESS;
+}
+
+static void fabric_common(nvmlDevice_t d, unsigned char *uuid, nvmlReturn_t *status, unsigned int *clique,
+                          nvmlGpuFabricState_t *state) {
+    memset(uuid, 0, NVML_GPU_FABRIC_UUID_LEN);
+    uuid[0] = 0xfa;
+    *status = d->fabric_status;
+    *clique = d->fabric_clique;
+    *state = (nvmlGpuFabricState_t)d->fabric_state;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t d, nvmlGpuFabricInfo_t *info) {
+    ENTER(d);
+    if (!d->fabric_supported) return NVML_ERROR_NOT_SUPPORTED;
+    fabric_common(d, info->clusterUuid, &info->status, &info->cliqueId, &info->state);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t d, nvmlGpuFabricInfo_v3_t *info) {
+    ENTER(d);
+    unsigned int version = info->version;
+    int v3 = version == NVML_STRUCT_VERSION(GpuFabricInfo, 3);
+    if (!(v3 && d->fabric_v_max >= 3) && version != NVML_STRUCT_VERSION(GpuFabricInfo, 2))
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (!d->fabric_supported) return NVML_ERROR_NOT_SUPPORTED;
+    /* v2 and v3 share their layout up to healthMask; v3 adds healthSummary after it */
+    fabric_common(d, info->clusterUuid, &info->status, &info->cliqueId, &info->state);
+    info->healthMask = d->fabric_health_mask;
+    if (v3) info->healthSummary = d->fabric_status ? 2 /* UNHEALTHY */ : 1 /* HEALTHY */;
     return NVML_SUCCESS;
 }

@@ -1,5 +1,6 @@
-"""Runs the gpu probe once in a fresh Python process (pynvml keeps module-global state, and the loader reads
-LD_LIBRARY_PATH at start), against the fake libnvidia-ml.so.1 and a fake host, and returns what it reported."""
+"""Runs the gpu probe (or another, such as gpu.links) once in a fresh Python process (pynvml keeps module-global
+state, and the loader reads LD_LIBRARY_PATH at start), against the fake libnvidia-ml.so.1 and a fake host, and
+returns what it reported."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ from typing import Any
 from support.system import REPO
 
 RUNNER = r"""
-import json, sys
+import importlib, json, sys
 from agent.config import parse_config
 from probes.runtime.host import Host
 from agent.scheduler import execute
-from probes.gpu.gpu import GpuProbe
 
 config = parse_config(json.loads(sys.argv[1]))
-host = Host(proc="/proc", dev=sys.argv[2], root=sys.argv[3])
-result, findings, samples = execute(GpuProbe(), host, config, 20.0)
+host = Host(proc=sys.argv[5], dev=sys.argv[2], root=sys.argv[3])
+module, name = sys.argv[4].split(":")
+cls = getattr(importlib.import_module(module), name)
+probe = cls() if sys.argv[6] == "" else cls(lambda: float(sys.argv[6]))  # a clock, for the window probes
+result, findings, samples = execute(probe, host, config, 20.0)
 print(json.dumps({
     "result": result,
     "findings": [f.to_dict() for f in findings],
@@ -65,6 +68,9 @@ def run_probe(
     dev_dir: Path | None = None,
     host_root: Path | None = None,
     top: dict[str, Any] | None = None,
+    probe: str = "probes.gpu.gpu:GpuProbe",
+    proc: Path | None = None,
+    now: float | None = None,
 ) -> Run:
     scenario = tmp_path / "fake-nvml.conf"
     scenario.write_text(config_text)
@@ -81,7 +87,17 @@ def run_probe(
     root = host_root or tmp_path / "empty-host-root"
     root.mkdir(exist_ok=True)
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps(config), str(dev), str(root)],
+        [
+            sys.executable,
+            "-c",
+            RUNNER,
+            json.dumps(config),
+            str(dev),
+            str(root),
+            probe,
+            str(proc or "/proc"),
+            "" if now is None else repr(now),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
