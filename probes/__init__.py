@@ -10,7 +10,8 @@ be a family of its own. `probes/runtime/` is the probe runtime (host access, /pr
   families and their config sections; `text`: text escaped and bounded for where it is shown.
 - `ledger`: what the npu and gpu families say alike of the device plugins' ledger.
 - `runtime/`: the probe runtime. The families: `host/`, `npu/`, `pcie/`, `gpu/`, `storage/`, `network/`,
-  `time/`, `kernel/` (the kernel log), `site/` (the site's own checks).
+  `interconnect/` (InfiniBand/RoCE HCA ports), `time/`, `kernel/` (the kernel log), `site/` (the site's own
+  checks).
 """
 
 from __future__ import annotations
