@@ -126,6 +126,21 @@ DEFAULT_PUBLIC_FAULT_CODES = {
     "PcieNonFatalErrors": "160010010",
     "PcieCorrectableBurst": "160010011",
     "PcieLinkDegraded": "160010012",
+    # The chip's RoCE port (npu.roce): HCCL over it hangs until its timeout.
+    "NpuLinkDown": "160010013",
+    "NpuLinkFlapping": "160010014",
+    "NpuNetUnhealthy": "160010015",
+    "NpuOpticalAbsent": "160010016",
+    "NpuOpticalSignalLost": "160010017",
+    "NpuOpticalPower": "160010018",
+    "NpuOpticalHot": "160010019",
+    "NpuAddressMissing": "160010020",
+    "NpuAddressMismatch": "160010021",
+    # Huawei's own grading (npu.grade) and HBM ECC (npu.ecc).
+    "NpuFaultSeparate": "160010022",
+    "NpuFaultReset": "160010023",
+    "NpuEccDoubleBit": "160010024",
+    "NpuEccPendingPages": "160010025",
 }
 FaultCode = Annotated[str, Field(pattern=r"^[0-9]{9}$")]
 

@@ -210,3 +210,27 @@ def test_error_answers_are_json_unless_ready_was_asked_for_text() -> None:
         got, content_type, body = raw(port, b"GET /ready?bogus=1&format=text HTTP/1.1\r\nHost: x\r\n" + close)
         assert (got, content_type) == (400, "text/plain; charset=utf-8")
         assert body.decode().startswith("bad request: unknown parameter 'bogus'") and body.count(b"\n") == 1
+
+
+def test_every_default_public_fault_code_is_documented_and_registered() -> None:
+    """docs/kubernetes.md's publicCustomization.json example registers every default code once, and its table gives
+    each reason its code (a row `A \N{EN DASH} B` or `A, B` pairs the codes with its reasons in order)."""
+    from agent.config import DEFAULT_PUBLIC_FAULT_CODES, PublicFaultConfig
+
+    text = (DOCS / "kubernetes.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in text.split("```json\n")[1:]]
+    example = json.loads(next(block for block in blocks if "publicFaultCode" in block))
+    registered = [code for codes in example["publicFaultCode"].values() for code in codes]
+    assert sorted(registered) == sorted([*DEFAULT_PUBLIC_FAULT_CODES.values(), PublicFaultConfig().default_code])
+    table = text.split("| Code | Reason |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    documented: dict[str, str] = {}
+    for row in table.splitlines():
+        codes_cell, reasons_cell = row.strip("|").split("|")[:2]
+        if "\N{EN DASH}" in codes_cell:
+            first, last = (int(part) for part in codes_cell.split("\N{EN DASH}"))
+            codes = [str(code) for code in range(first, last + 1)]
+        else:
+            codes = [code.strip() for code in codes_cell.split(",")]
+        reasons = re.findall(r"\b(Npu\w+|Pcie\w+)", reasons_cell)
+        documented.update(zip(reasons, codes, strict=False))
+    assert documented == DEFAULT_PUBLIC_FAULT_CODES

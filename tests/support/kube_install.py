@@ -50,6 +50,10 @@ GROUPS: dict[str, dict[str, tuple[str, bool]]] = {
         "validatingadmissionpolicies": ("ValidatingAdmissionPolicy", False),
         "validatingadmissionpolicybindings": ("ValidatingAdmissionPolicyBinding", False),
     },
+    "admissionregistration.k8s.io/v1beta1": {
+        "mutatingadmissionpolicies": ("MutatingAdmissionPolicy", False),
+        "mutatingadmissionpolicybindings": ("MutatingAdmissionPolicyBinding", False),
+    },
     "networking.k8s.io/v1": {"networkpolicies": ("NetworkPolicy", True)},
     "monitoring.coreos.com/v1": {"podmonitors": ("PodMonitor", True), "prometheusrules": ("PrometheusRule", True)},
 }

@@ -74,6 +74,14 @@ INSTALLED = (
         False,
     ),
     Kind("validatingadmissionpolicy", "admissionregistration.k8s.io/v1", "validatingadmissionpolicies", False),
+    # deploy/components/preflight-injection (beta in 1.34 to 1.36: absent where the API is off, which is no error)
+    Kind(
+        "mutatingadmissionpolicybinding",
+        "admissionregistration.k8s.io/v1beta1",
+        "mutatingadmissionpolicybindings",
+        False,
+    ),
+    Kind("mutatingadmissionpolicy", "admissionregistration.k8s.io/v1beta1", "mutatingadmissionpolicies", False),
     Kind("clusterrolebinding", "rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
     Kind("clusterrole", "rbac.authorization.k8s.io/v1", "clusterroles", False),
     Kind("rolebinding", "rbac.authorization.k8s.io/v1", "rolebindings", True),

@@ -39,7 +39,7 @@ NS = "node-health"
 NODE = "fake-node-1"
 OURS = "app.kubernetes.io/name=node-health"
 AGENT_LABELS = {"app.kubernetes.io/name": "node-health", "app.kubernetes.io/component": "agent"}
-COMPONENTS = ("mindcluster-public-faults", "network-policy")
+COMPONENTS = ("mindcluster-public-faults", "network-policy", "preflight-injection")
 MONITORING = [DEPLOY / "prometheus" / "podmonitor.yaml", DEPLOY / "prometheus" / "prometheusrule.yaml"]
 UNINSTALL_RBAC = [UNINSTALL / "rbac.yaml"]
 PUBLIC_FAULTS_RBAC = DEPLOY / "components" / "mindcluster-public-faults" / "cleanup-rbac.yaml"
