@@ -59,8 +59,7 @@ def main(argv: list[str]) -> int:
             {
                 "gpu": {"smi_command": [smi], "nvml_library": str(tmp / "absent.so"), "expected_gpus": 8},
                 "interconnect": {
-                    "state_file": str(tmp / "ports.json"),
-                    "nvlink_state_file": str(tmp / "nvlink.json"),
+                    "state_dir": str(tmp / "state"),
                 },
                 "kubernetes": {"pod_resources_socket": str(tmp / "no-kubelet.sock")},
             }

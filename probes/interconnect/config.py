@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from typing import Literal
 
@@ -22,6 +23,10 @@ ERROR_COUNTERS = (
 )
 
 
+PORTS_STATE = "interconnect-ports.json"
+NVLINK_STATE = "gpu-nvlink.json"
+
+
 class InterconnectConfig(Section):
     # Ports that must be there, as `<hca>/<port>` (`mlx5_0/1`); a missing one is HcaPortMissing. Empty: every port
     # the node has is checked, none is required (a node without HCAs skips).
@@ -38,16 +43,16 @@ class InterconnectConfig(Section):
     window_seconds: PositiveSeconds = 3600.0
     link_down_threshold: int = Field(1, ge=1)
     error_threshold: int = Field(100, ge=1)
-    # Where the counter windows are kept between agent restarts (the pod's /tmp, an emptyDir, survives a container
-    # restart; "" keeps them in memory only).
-    state_file: str = "/tmp/node-health/interconnect-ports.json"
+    # Where the counter windows (PORTS_STATE and NVLINK_STATE in it) survive an agent restart: a writable directory
+    # of the agent's, the host's /var/lib/node-health that the DaemonSet mounts there, so a pod deleted and
+    # recreated (a rollout, an eviction) keeps them too. "" or unwritable: kept in memory, logged once.
+    state_dir: str = "/var/lib/node-health"
     # NVLink (the gpu.links probe, docs/probes/gpu.md): active links each GPU must have; null: as many as the GPU
     # of this node with the most (on an HGX board every GPU has the same number, so the one with fewer has lost
     # links).
     nvlink_expected_active_links: int | None = Field(None, ge=0)
     # Replay + CRC error increase within window_seconds that warns (NvlinkErrors); any recovery error fails.
     nvlink_error_threshold: int = Field(100, ge=1)
-    nvlink_state_file: str = "/tmp/node-health/nvlink.json"
     # On NVSwitch systems: nv-fabricmanager must run as a host process (FabricManagerDown otherwise).
     fabric_manager_check: bool = True
     # The collective's interface (the network.collective probe, docs/probes/network.md): what jobs give
@@ -58,6 +63,17 @@ class InterconnectConfig(Section):
     collective_peer_subnets: list[str] = []
     # Network namespace to inspect (a path such as /run/netns/x); "": the host's.
     collective_netns: str = ""
+
+    def state_path(self, name: str) -> str:
+        """The file `name` under state_dir; "" (memory only) when state_dir is ""."""
+        return os.path.join(self.state_dir, name) if self.state_dir else ""
+
+    @field_validator("state_dir")
+    @classmethod
+    def _state_dir(cls, value: str) -> str:
+        if value and not os.path.isabs(value):
+            raise ValueError(f'{value!r} is not an absolute directory like /var/lib/node-health (or "")')
+        return value
 
     @field_validator("collective_peer_subnets")
     @classmethod

@@ -27,7 +27,7 @@ class Clock:
 
 
 def ctx(tree: InfinibandTree, tmp: Path, **section: object) -> ProbeContext:
-    section.setdefault("state_file", str(tmp / "state" / "ports.json"))
+    section.setdefault("state_dir", str(tmp / "state"))
     return ProbeContext(Host(sys=tree.sys), parse_config({"interconnect": section}), 5.0)
 
 
@@ -145,7 +145,7 @@ def test_the_window_survives_an_agent_restart(tree: InfinibandTree, tmp_path: Pa
     clock.now += 30
     tree.set_counter("mlx5_6/1", "link_error_recovery", 2)
     assert reasons(probe.run(ctx(tree, tmp_path)))["mlx5_6/1"] == "HcaPortFlapping"
-    state = json.loads((tmp_path / "state" / "ports.json").read_text())
+    state = json.loads((tmp_path / "state" / "interconnect-ports.json").read_text())
     assert state["counters"]["mlx5_6/1 link_error_recovery"]["last"] == 2
     clock.now += 60
     restarted = InterconnectPortsProbe(clock)  # a new agent: the increase is still within the window
@@ -159,7 +159,7 @@ def test_the_window_survives_an_agent_restart(tree: InfinibandTree, tmp_path: Pa
 
 @pytest.mark.parametrize("content", ["", "{", "[]", '{"counters": {"x": {"last": -1, "events": []}}}', "\x00\xff"])
 def test_a_broken_state_file_is_an_empty_baseline(tree: InfinibandTree, tmp_path: Path, content: str) -> None:
-    state = tmp_path / "state" / "ports.json"
+    state = tmp_path / "state" / "interconnect-ports.json"
     state.parent.mkdir()
     state.write_text(content, errors="surrogateescape")
     out = InterconnectPortsProbe(Clock()).run(ctx(tree, tmp_path))
