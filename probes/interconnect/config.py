@@ -12,6 +12,8 @@ from pydantic import Field, field_validator
 from probes.family import PositiveSeconds, Section
 
 _PORT = re.compile(r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,3}$")
+_HCA_ENTRY = r"[A-Za-z0-9_.-]{1,64}(?::[0-9]{1,3})?"
+_IB_HCA = re.compile(rf"^\^?=?{_HCA_ENTRY}(?:,{_HCA_ENTRY}){{0,63}}$")
 
 # The counters (files under ports/<n>/counters/) the probe judges, by what an increase means.
 LINK_COUNTERS = ("link_downed", "link_error_recovery")
@@ -59,6 +61,10 @@ class InterconnectConfig(Section):
     # NCCL_SOCKET_IFNAME / HCCL_SOCKET_IFNAME, in their syntax (`ib0`, a prefix list `ib,eth`, `^docker,lo` to
     # exclude, `=eth0` for exact names); "" when jobs set nothing.
     collective_ifname: str = ""
+    # What jobs give NCCL_IB_HCA, in its syntax (`mlx5` a prefix, `=mlx5_0:1,mlx5_1:1` exact cards and ports,
+    # `^=mlx5_4` to exclude): it must select at least one ACTIVE HCA port, or NCCL falls back to TCP sockets; "" when
+    # jobs set nothing.
+    collective_ib_hca: str = ""
     # Subnets the collective's peers are on (CIDRs): the route to each must leave by the collective's interface.
     collective_peer_subnets: list[str] = []
     # Network namespace to inspect (a path such as /run/netns/x); "": the host's.
@@ -84,6 +90,13 @@ class InterconnectConfig(Section):
             except ValueError:
                 raise ValueError(f"{value!r} is not a subnet like 10.20.0.0/16") from None
         return values
+
+    @field_validator("collective_ib_hca")
+    @classmethod
+    def _ib_hca(cls, value: str) -> str:
+        if value and not _IB_HCA.match(value):
+            raise ValueError(f"{value!r} is not an NCCL_IB_HCA list like =mlx5_0:1,mlx5_1:1 (^ excludes, = is exact)")
+        return value
 
     @field_validator("expected_ports")
     @classmethod
