@@ -43,7 +43,7 @@ from probes.gpu.gpu import device_minors
 from probes.gpu.links_nvml import read_links_nvml
 from probes.gpu.links_smi import FabricState, GpuLinks, parse_errors, parse_fabric, parse_status
 from probes.gpu.nvml import NvmlUnavailable
-from probes.interconnect.config import InterconnectConfig
+from probes.interconnect.config import NVLINK_STATE, InterconnectConfig
 from probes.interconnect.window import CounterWindows
 from probes.runtime.procfs import process_info
 
@@ -207,16 +207,17 @@ class GpuLinksProbe(Probe):
         out: ProbeOutput = []
         out.extend(self._nvlink(fabric, status, errors, settings))
         out.extend(self._fabric(ctx, fabric, settings))
+        extra = {"source": source}
+        if self._windows is not None and self._windows.error:
+            extra["state_error"] = self._windows.error  # the NVLink windows will not survive a restart
         return [
-            replace(item, observed={**item.observed, "source": source})
-            if isinstance(item, Finding) and item.subject
-            else item
+            replace(item, observed={**item.observed, **extra}) if isinstance(item, Finding) and item.subject else item
             for item in out
         ]
 
     def _windows_for(self, settings: InterconnectConfig) -> CounterWindows:
         windows = self._windows
-        wanted = (settings.nvlink_state_file, settings.window_seconds)
+        wanted = (settings.state_path(NVLINK_STATE), settings.window_seconds)
         if windows is None or (windows.state_file, windows.window) != wanted:
             windows = self._windows = CounterWindows(*wanted, self._clock)
         return windows

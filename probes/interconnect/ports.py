@@ -24,7 +24,7 @@ from probes.base import (
     Status,
     register,
 )
-from probes.interconnect.config import ERROR_COUNTERS, LINK_COUNTERS, InterconnectConfig
+from probes.interconnect.config import ERROR_COUNTERS, LINK_COUNTERS, PORTS_STATE, InterconnectConfig
 from probes.interconnect.reasons import (
     HCA_PORT_DEGRADED,
     HCA_PORT_DOWN,
@@ -97,8 +97,9 @@ class InterconnectPortsProbe(Probe):
 
     def _windows_for(self, settings: InterconnectConfig) -> CounterWindows:
         windows = self._windows
-        if windows is None or (windows.state_file, windows.window) != (settings.state_file, settings.window_seconds):
-            windows = self._windows = CounterWindows(settings.state_file, settings.window_seconds, self._clock)
+        wanted = (settings.state_path(PORTS_STATE), settings.window_seconds)
+        if windows is None or (windows.state_file, windows.window) != wanted:
+            windows = self._windows = CounterWindows(*wanted, self._clock)
         return windows
 
     def run(self, ctx: ProbeContext) -> ProbeOutput:
@@ -141,6 +142,8 @@ class InterconnectPortsProbe(Probe):
         }
         if reading.rate_gbps is not None:
             observed["rate_gbps"] = reading.rate_gbps
+        if windows.error:
+            observed["state_error"] = windows.error  # the windows will not survive a restart
         subject = reading.name
         if not reading.up:
             message = f"{subject}: {reading.state[1]}/{reading.phys_state[1]} ({reading.link_layer})"

@@ -5,9 +5,11 @@ wall-clock second it was seen (wall clock, not monotonic: the file must mean the
 first reading of a counter only sets its baseline. A value lower than the last one is a reset (the driver was
 reloaded, the node rebooted): the new value is the new baseline and no increase, so a reset is never a burst.
 
-The file is JSON, written to a temporary name and renamed (a crash leaves the old file or the new one, never
-half of one); a file that is missing, unreadable or malformed is an empty baseline (logged once), never a
-crash. Its size is bounded: increases older than the window are dropped, at most MAX_EVENTS per counter and
+The file is JSON, written to a temporary name (created anew, never through a symlink) and renamed (a crash
+leaves the old file or the new one, never half of one); a file that is missing, unreadable or malformed is an
+empty baseline (logged once), never a crash. A file that cannot be written (its directory is not mounted, a
+read-only root) leaves the windows in memory: logged once, and `error` says why, for the findings to carry.
+Its size is bounded: increases older than the window are dropped, at most MAX_EVENTS per counter and
 MAX_KEYS counters are kept.
 """
 
@@ -33,22 +35,29 @@ class CounterWindows:
         self._clock = clock
         self._last: dict[str, int] = {}
         self._events: dict[str, list[tuple[float, int]]] = {}
+        self.error = ""  # why the file could not be read or written, "" when it could
         self._load()
+
+    def _failed(self, error: str) -> None:
+        if error != self.error:
+            log.warning("interconnect: %s", error)
+        self.error = error
 
     def _load(self) -> None:
         if not self.state_file:
             return
         try:
-            with open(self.state_file, encoding="utf-8") as handle:
+            fd = os.open(self.state_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, encoding="utf-8") as handle:
                 data = json.loads(handle.read(4 << 20))
         except FileNotFoundError:
             return
         except (OSError, ValueError) as exc:
-            log.warning("interconnect: ignoring the counter baseline %s: %s", self.state_file, exc)
+            self._failed(f"ignoring the counter baseline {self.state_file}: {exc}")
             return
         counters = data.get("counters") if isinstance(data, dict) else None
         if not isinstance(counters, dict):
-            log.warning("interconnect: ignoring the counter baseline %s: no counters", self.state_file)
+            self._failed(f"ignoring the counter baseline {self.state_file}: no counters")
             return
         for key, entry in list(counters.items())[:MAX_KEYS]:
             parsed = _entry(entry)
@@ -100,12 +109,18 @@ class CounterWindows:
         }
         path = Path(self.state_file)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        data = json.dumps({"version": 1, "counters": counters}).encode()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(json.dumps({"version": 1, "counters": counters}), encoding="utf-8")
+            temporary.unlink(missing_ok=True)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
             os.replace(temporary, path)
         except OSError as exc:
-            log.warning("interconnect: cannot keep the counter baseline in %s: %s", self.state_file, exc)
+            self._failed(f"cannot keep the counter baseline in {self.state_file} (kept in memory): {exc}")
+            return
+        self.error = ""
 
 
 def _entry(entry: Any) -> tuple[int, list[tuple[float, int]]] | None:

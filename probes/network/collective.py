@@ -9,6 +9,11 @@ misc/socket.cc: `ib*` first, else every interface but `docker*`, `lo` and `virbr
 among them the first in the kernel's order), since a job that leaves the choice to NCCL/HCCL may send its
 collective over the management network. The syntax (NCCL's environment variable documentation): a comma-separated
 list of prefixes; `^` before the list excludes them; `=` before it makes every name exact.
+
+NCCL_IB_HCA (`interconnect.collective_ib_hca`, the same syntax with an optional `:port` per card, NCCL's
+environment variable documentation and net_ib.cc) must select at least one HCA port of the node that is ACTIVE,
+and every card it names must exist: NCCL uses only the ACTIVE ports it selects and, with none, finds no IB device
+and falls back to TCP sockets, silently and many times slower. Read from sysfs (/sys/class/infiniband).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from probes.base import (
     NOT_APPLICABLE,
@@ -25,12 +31,13 @@ from probes.base import (
     Probe,
     ProbeContext,
     ProbeOutput,
+    ProbeParseError,
     Reason,
     Status,
     register,
 )
 from probes.interconnect.config import InterconnectConfig
-from probes.interconnect.sysfs import list_ports
+from probes.interconnect.sysfs import list_ports, read_port
 from probes.network.links import LinkState, NetSnapshot, read_netlink_snapshot
 from probes.network.netns import call_in_netns, choose_netns
 
@@ -66,6 +73,21 @@ COLLECTIVE_IFACE_AMBIGUOUS = Reason(
     "set NCCL_SOCKET_IFNAME/HCCL_SOCKET_IFNAME in jobs to the interface of the training network, and the same "
     "value in interconnect.collective_ifname so the agent checks it",
 )
+COLLECTIVE_HCA_MISSING = Reason(
+    "CollectiveHcaMissing",
+    Status.FAIL,
+    "interconnect.collective_ib_hca (what jobs give NCCL_IB_HCA) selects no HCA port of this node, or names a card "
+    "or port the node lacks",
+    "NCCL finds no (or fewer) IB devices and falls back to TCP sockets: fix the value jobs and the agent use "
+    "(`ibv_devinfo -l` or /sys/class/infiniband lists the cards; `=` makes names exact), or bring the HCA back "
+    "(driver, firmware, a renamed device)",
+)
+COLLECTIVE_HCA_DOWN = Reason(
+    "CollectiveHcaDown",
+    Status.FAIL,
+    "every HCA port NCCL_IB_HCA selects is down (not ACTIVE): NCCL skips them all and falls back to TCP sockets",
+    "bring the ports up (cable, switch port, subnet manager: `ibstat`); interconnect.ports names each port's state",
+)
 COLLECTIVE_UNREADABLE = Reason(
     "CollectiveUnreadable",
     Status.UNKNOWN,
@@ -77,6 +99,8 @@ COLLECTIVE_REASONS = (
     COLLECTIVE_IFACE_DOWN,
     COLLECTIVE_ROUTE_MISMATCH,
     COLLECTIVE_IFACE_AMBIGUOUS,
+    COLLECTIVE_HCA_MISSING,
+    COLLECTIVE_HCA_DOWN,
     COLLECTIVE_UNREADABLE,
 )
 
@@ -100,6 +124,61 @@ def parse_ifname(text: str) -> IfaceSpec:
     exact = value.startswith("=")
     value = value[1:] if exact else value
     return IfaceSpec(tuple(p.strip() for p in value.split(",") if p.strip()), exclude, exact)
+
+
+@dataclass(frozen=True)
+class HcaSpec:
+    entries: tuple[tuple[str, int | None], ...]  # card (a prefix unless exact), port (None: every port)
+    exclude: bool
+    exact: bool
+
+    def entry_matches(self, entry: tuple[str, int | None], hca: str, port: int) -> bool:
+        name, wanted = entry
+        return (hca == name if self.exact else hca.startswith(name)) and wanted in (None, port)
+
+    def matches(self, hca: str, port: int) -> bool:
+        return any(self.entry_matches(entry, hca, port) for entry in self.entries) != self.exclude
+
+
+def parse_ib_hca(text: str) -> HcaSpec:
+    """NCCL_IB_HCA syntax: `^` excludes, then `=` makes names exact, then `card[:port]` comma-separated."""
+    spec = parse_ifname(text)
+    entries = []
+    for token in spec.prefixes:
+        name, _, port = token.partition(":")
+        entries.append((name, int(port) if port.isdigit() else None))
+    return HcaSpec(tuple(entries), spec.exclude, spec.exact)
+
+
+def judge_ib_hca(sys_root: str | Path, value: str) -> Finding:
+    """The HCA ports NCCL_IB_HCA selects among sysfs's: none (or a card it names absent) fails, none ACTIVE fails."""
+    spec = parse_ib_hca(value)
+    ports = [(hca, port) for hca, port in list_ports(sys_root) if port.isdigit()]
+    selected = [(hca, port) for hca, port in ports if spec.matches(hca, int(port))]
+    subject = f"NCCL_IB_HCA={value}"
+    present = ", ".join(f"{hca}/{port}" for hca, port in ports) or "none"
+    absent = (
+        [] if spec.exclude else [e for e in spec.entries if not any(spec.entry_matches(e, h, int(p)) for h, p in ports)]
+    )
+    names = [f"{hca}/{port}" for hca, port in selected]
+    observed: dict[str, object] = {"selected": names, "present": present}
+    if not selected or absent:
+        named = ", ".join(name if port is None else f"{name}:{port}" for name, port in absent)
+        what = f"names {named}, which this node lacks" if absent else "selects no HCA port of this node"
+        message = f"{subject} {what} (HCA ports: {present}); NCCL uses the rest or falls back to TCP sockets"
+        return COLLECTIVE.report(COLLECTIVE_HCA_MISSING, subject, message, observed)
+    active = []
+    for hca, port in selected:
+        try:
+            if read_port(sys_root, hca, port, ()).state[1] == "ACTIVE":
+                active.append(f"{hca}/{port}")
+        except ProbeParseError:
+            continue  # an unreadable port is not one NCCL can count on; interconnect.ports says why
+    observed["active"] = active
+    if not active:
+        message = f"{subject}: none of {', '.join(names)} is ACTIVE; NCCL falls back to TCP sockets"
+        return COLLECTIVE.report(COLLECTIVE_HCA_DOWN, subject, message, observed)
+    return COLLECTIVE.ok(subject, f"{subject}: {len(active)} of {len(selected)} selected HCA ports ACTIVE", observed)
 
 
 def nccl_default(links: list[LinkState]) -> list[LinkState]:
@@ -146,7 +225,8 @@ class CollectiveProbe(Probe):
 
     def applicable(self, ctx: ProbeContext) -> str | None:
         """Configured, or a node with accelerators or HCAs: a plain server runs no collective."""
-        if ctx.settings(InterconnectConfig).collective_ifname or list_ports(ctx.host.sys):
+        settings = ctx.settings(InterconnectConfig)
+        if settings.collective_ifname or settings.collective_ib_hca or list_ports(ctx.host.sys):
             return None
         try:
             names = os.listdir(ctx.host.dev)
@@ -161,6 +241,13 @@ class CollectiveProbe(Probe):
         if why is not None:
             return [COLLECTIVE.report(NOT_APPLICABLE, "", why)]
         settings = ctx.settings(InterconnectConfig)
+        hca: ProbeOutput = (
+            [judge_ib_hca(ctx.host.sys, settings.collective_ib_hca)] if settings.collective_ib_hca else []
+        )
+        return hca + self._socket(ctx, settings)
+
+    def _socket(self, ctx: ProbeContext, settings: InterconnectConfig) -> ProbeOutput:
+        """NCCL_SOCKET_IFNAME / HCCL_SOCKET_IFNAME: the interface, its address and the routes to the peers."""
         netns_path, label = choose_netns(ctx.host, settings.collective_netns)
         try:
             snapshot, routes = call_in_netns(

@@ -1,7 +1,8 @@
 """Link flaps: each chip's link-up count (`hccn_tool -link_stat -g`) sampled over npu.link_flap_window_seconds.
 
-The samples are kept in a small JSON file under npu.state_dir (host.root joined), written atomically (a
-temporary file renamed over it, never through a symlink), so the window survives an agent restart. A count that
+The samples are kept in a small JSON file under npu.state_dir (the agent's own path, where the DaemonSet mounts
+the host's /var/lib/node-health), written atomically (a temporary file renamed over it, never through a symlink),
+so the window survives an agent restart. A count that
 goes down is a counter reset (a driver reload): the window starts again from the new count, never a burst.
 Wall-clock seconds, so a restart keeps the window's age; a clock stepped back drops the samples from the future.
 """

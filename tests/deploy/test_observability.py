@@ -143,6 +143,11 @@ def test_the_required_alerts_exist() -> None:
     assert "DnsFailed" in exprs["NodeHealthDnsFailing"]
     assert "GpuEccUncorrectable" in exprs["NodeHealthGpuEccUncorrectable"]
     assert exprs["NodeHealthConfigUnknownKeys"] == "nodehealth_config_unknown_keys > 0"
+    # issue 29: the fleet alert for interconnect problems (HCA ports, NVLink, fabric, the collective's interface)
+    for check in ("interconnect", "gpu\\\\.nvlink", "gpu\\\\.fabric", "network\\\\.collective"):
+        assert check in exprs["NodeHealthInterconnectProblems"], check
+    for reason in ("Mlx5ModuleError", "Mlx5CableUnplugged", "Mlx5LinkDown", "Mlx5InsufficientPower"):  # the mlx5 rules
+        assert reason in exprs["NodeHealthInterconnectProblems"], reason
     not_ready = next(r for r in alerts_of(rules_groups()) if r["alert"] == "NodeHealthNodeNotReady")
     assert not_ready["for"] == "10m"
 

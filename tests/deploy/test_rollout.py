@@ -4,8 +4,9 @@
   limits times the node count), and the check catches the 1,000-pod quota 0.1 shipped;
 - rollouts wait `minReadySeconds` for each new pod;
 - every hostPath the DaemonSet mounts is where the code reads (the shipped config points the host paths there and
-  the probes read through them), no host file is mounted twice, /dev is read-only, and a device node on a
-  read-only mount still opens read-write (what NVML does);
+  the probes read through them), no host file is mounted twice, /dev is read-only, the state directory
+  (/var/lib/node-health, the counter windows) is the only one written, and a device node on a read-only mount
+  still opens read-write (what NVML does);
 - the network-policy component: the pre-flight port from everywhere, the metrics port from `monitoring` only;
 - the ports the manifests name (DaemonSet, PodMonitor, Service, probes, policy) are the ones a real agent with the
   shipped config opens, each serving what they expect, with and without the component.
@@ -35,12 +36,15 @@ from agent.config import STATUS_ON_MAIN_PORT_ENV, parse_config
 from agent.version import __version__
 from probes import all_probes
 from probes.host.config import HostConfig
+from probes.interconnect.config import InterconnectConfig
+from probes.npu.config import NpuConfig
 from probes.runtime.host import Host
 
 DEPLOY = REPO / "deploy"
 NETWORK_POLICY = DEPLOY / "components" / "network-policy"
 VERSIONS = [kubernetes_validate.utils.latest_version(), "1.30"]
 FLEET = 10_000
+STATE_DIR = InterconnectConfig().state_dir  # the default the shipped config keeps
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -164,6 +168,11 @@ def test_every_host_path_is_read_by_the_code(render: list[dict[str, Any]]) -> No
     read_through = {str(host.root): r"\.root_path\(", str(host.dev): r"\.dev_path\(", str(host.sys): r"\.sys_path\("}
     # The kubelet's PodResources socket (the device ledger), read by the npu and gpu probes and /ready?pod=.
     read_through[os.path.dirname(config.kubernetes.pod_resources_socket)] = r"kubernetes\.pod_resources_socket\b"
+    # The counter windows (interconnect.ports, gpu.links), the one host path written.
+    read_through[config.section(InterconnectConfig).state_dir] = r"settings\.state_path\("
+    # npu.roce's link-flap window shares that directory.
+    assert config.section(NpuConfig).state_dir == config.section(InterconnectConfig).state_dir
+    assert re.search(r"Path\(settings\.state_dir\) / STATE_FILE", code_text())
     code = code_text()
     for _, mount_path, _ in host_mounts(daemonset):
         assert mount_path in read_through, f"{mount_path} is mounted but the shipped config does not point there"
@@ -185,8 +194,11 @@ def test_no_host_file_is_mounted_twice_and_dev_is_read_only(render: list[dict[st
             if not inside.startswith(".."):
                 assert os.path.normpath(os.path.join(other_mount, inside)) != mount_path, (host_path, other_host)
         assert seen.setdefault(mount_path, host_path) == host_path, mount_path
-    writable = [mount_path for _, mount_path, read_only in mounts if not read_only]
-    assert writable == [], f"the agent writes to no host path: {writable}"
+    writable = [(host_path, mount_path) for host_path, mount_path, read_only in mounts if not read_only]
+    assert writable == [(STATE_DIR, STATE_DIR)], f"the agent writes to no host path but its state: {writable}"
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    (state,) = [v for v in volumes.values() if v.get("hostPath", {}).get("path") == STATE_DIR]
+    assert state["hostPath"]["type"] == "DirectoryOrCreate"  # a new node has no such directory yet
 
 
 OPEN_READ_WRITE = """

@@ -94,7 +94,7 @@ class Clock:
 
 def run(tmp: Path, node: Node, probe: GpuLinksProbe, proc: Path | None = None, **section: Any) -> list[Any]:
     smi = fake_smi(tmp, node, section.pop("hang", ""))
-    section.setdefault("nvlink_state_file", str(tmp / "nvlink.json"))
+    section.setdefault("state_dir", str(tmp / "state"))
     config = parse_config(
         {
             "gpu": {

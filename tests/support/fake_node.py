@@ -322,8 +322,7 @@ class FakeNode:
             },
             "pcie": {"vendors": ["0x19e5"]},
             "interconnect": {
-                "state_file": str(work / "interconnect-ports.json"),
-                "nvlink_state_file": str(work / "nvlink.json"),
+                "state_dir": str(work / "state"),
             },
             "storage": {
                 "mounts": [{"path": "/", "fstype": "*"}],

@@ -49,8 +49,7 @@ class FakeNode:
             {
                 "gpu": {"smi_command": [smi], "nvml_library": str(self.tmp / "absent.so"), "expected_gpus": 8},
                 "interconnect": {
-                    "state_file": str(self.tmp / "ports.json"),
-                    "nvlink_state_file": str(self.tmp / "nvlink.json"),
+                    "state_dir": str(self.tmp / "state"),
                     "expected_rate_gbps": 400,
                 },
             }

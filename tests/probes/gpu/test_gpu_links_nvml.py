@@ -52,7 +52,7 @@ def links(
     init_error: int = 0,
     **section: Any,
 ) -> Run:
-    section.setdefault("nvlink_state_file", str(tmp / "nvlink.json"))
+    section.setdefault("state_dir", str(tmp / "state"))
     gpu_config: dict[str, Any] = {"expected_gpus": len(gpus) or GPUS, "smi_timeout_seconds": 5}
     if smi:
         gpu_config["smi_command"] = [smi]

@@ -27,7 +27,7 @@ class Clock:
 
 
 def ctx(tree: InfinibandTree, tmp: Path, **section: object) -> ProbeContext:
-    section.setdefault("state_file", str(tmp / "state" / "ports.json"))
+    section.setdefault("state_dir", str(tmp / "state"))
     return ProbeContext(Host(sys=tree.sys), parse_config({"interconnect": section}), 5.0)
 
 
@@ -145,7 +145,7 @@ def test_the_window_survives_an_agent_restart(tree: InfinibandTree, tmp_path: Pa
     clock.now += 30
     tree.set_counter("mlx5_6/1", "link_error_recovery", 2)
     assert reasons(probe.run(ctx(tree, tmp_path)))["mlx5_6/1"] == "HcaPortFlapping"
-    state = json.loads((tmp_path / "state" / "ports.json").read_text())
+    state = json.loads((tmp_path / "state" / "interconnect-ports.json").read_text())
     assert state["counters"]["mlx5_6/1 link_error_recovery"]["last"] == 2
     clock.now += 60
     restarted = InterconnectPortsProbe(clock)  # a new agent: the increase is still within the window
@@ -159,7 +159,7 @@ def test_the_window_survives_an_agent_restart(tree: InfinibandTree, tmp_path: Pa
 
 @pytest.mark.parametrize("content", ["", "{", "[]", '{"counters": {"x": {"last": -1, "events": []}}}', "\x00\xff"])
 def test_a_broken_state_file_is_an_empty_baseline(tree: InfinibandTree, tmp_path: Path, content: str) -> None:
-    state = tmp_path / "state" / "ports.json"
+    state = tmp_path / "state" / "interconnect-ports.json"
     state.parent.mkdir()
     state.write_text(content, errors="surrogateescape")
     out = InterconnectPortsProbe(Clock()).run(ctx(tree, tmp_path))
@@ -228,3 +228,31 @@ def test_ready_checks_can_ask_for_the_interconnect_category_or_leave_it_out() ->
     assert selects("interconnect", "interconnect.ports")
     assert not selects("gpu", "interconnect.ports") and not selects("network", "interconnect.ports")
     assert not selects("interconnect", "gpu.nvlink")  # an NVLink is its GPU's: /ready?checks=gpu
+
+
+@pytest.mark.parametrize(
+    ("counter", "reason", "status"),
+    [
+        ("link_downed", "HcaPortFlapping", Status.FAIL),
+        ("link_error_recovery", "HcaPortFlapping", Status.FAIL),
+        ("symbol_error", "HcaPortErrors", Status.WARN),
+        ("port_rcv_errors", "HcaPortErrors", Status.WARN),
+        ("local_link_integrity_errors", "HcaPortErrors", Status.WARN),
+        ("excessive_buffer_overrun_errors", "HcaPortErrors", Status.WARN),
+    ],
+)
+def test_each_counter_the_issue_names_is_judged_by_its_increase(
+    tree: InfinibandTree, tmp_path: Path, counter: str, reason: str, status: Status
+) -> None:
+    clock = Clock()
+    probe = InterconnectPortsProbe(clock)
+    settings = {"window_seconds": 600, "error_threshold": 10, "link_down_threshold": 1}
+    tree.set_counter("mlx5_7/1", counter, 1_000)  # since the driver loaded: a baseline
+    assert healthy(probe.run(ctx(tree, tmp_path, **settings)))
+    clock.now += 60
+    tree.set_counter("mlx5_7/1", counter, 1_010)
+    finding = findings(probe.run(ctx(tree, tmp_path, **settings)))["mlx5_7/1"]
+    assert (finding.reason, finding.status) == (reason, status)
+    assert finding.observed[f"{counter}_in_window"] == 10
+    clock.now += 601
+    assert healthy(probe.run(ctx(tree, tmp_path, **settings)))

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.fake_infiniband import node as ib_node
 from support.netservers import Netns
 from support.system import require_root, require_tool
 
 from agent.config import ConfigError, parse_config
 from probes.base import Finding, ProbeContext, Status
-from probes.network.collective import CollectiveProbe, nccl_default, parse_ifname
+from probes.network.collective import CollectiveProbe, judge_ib_hca, nccl_default, parse_ib_hca, parse_ifname
 from probes.network.links import LinkState
 from probes.runtime.host import Host
 
@@ -111,3 +112,61 @@ def test_a_node_without_accelerators_hcas_or_config_skips(tmp_path: Path) -> Non
     context = ProbeContext(Host(dev=tmp_path, sys=tmp_path), parse_config({}), 5)
     (finding,) = probe.run(context)
     assert isinstance(finding, Finding) and finding.reason == "NotApplicable" and finding.status == Status.SKIP
+
+
+# --- NCCL_IB_HCA (interconnect.collective_ib_hca) -----------------------------------------------------------------
+
+
+def test_nccl_ib_hca_syntax_as_nccl_documents_it() -> None:
+    prefix = parse_ib_hca("mlx5_1")  # without `=`, mlx5_1 is a prefix: mlx5_10..19 too (NCCL's own warning)
+    assert prefix.matches("mlx5_1", 1) and prefix.matches("mlx5_12", 1) and not prefix.matches("mlx5_2", 1)
+    exact = parse_ib_hca("=mlx5_0:1,mlx5_1:1")
+    assert exact.matches("mlx5_0", 1) and not exact.matches("mlx5_0", 2) and not exact.matches("mlx5_10", 1)
+    excluded = parse_ib_hca("^=mlx5_1,mlx5_4")
+    assert excluded.matches("mlx5_0", 1) and not excluded.matches("mlx5_4", 1) and excluded.matches("mlx5_10", 1)
+    assert parse_ib_hca("mlx5").matches("mlx5_7", 2)
+
+
+@pytest.mark.parametrize("value", ["mlx5_0:x", "=", "mlx5_0;rm", "mlx5_0,,mlx5_1", "mlx5 0"])
+def test_a_bad_nccl_ib_hca_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"interconnect\.collective_ib_hca"):
+        parse_config({"interconnect": {"collective_ib_hca": value}})
+
+
+def test_nccl_ib_hca_must_select_an_active_port_of_this_node(tmp_path: Path) -> None:
+    tree = ib_node(tmp_path / "sys", 4)
+    ok = judge_ib_hca(tree.sys, "=mlx5_0:1,mlx5_1:1")
+    assert ok.status == Status.OK and ok.observed["active"] == ["mlx5_0/1", "mlx5_1/1"]
+    assert ok.subject == "NCCL_IB_HCA==mlx5_0:1,mlx5_1:1" and ok.category == "interconnect"
+    # a typo, a renamed card (mlx5_bond_0), a port the card lacks: NCCL would use fewer rails or sockets
+    for value, named in (("=mlx5_0,mlx5_9", "mlx5_9"), ("mlx5_bond", "mlx5_bond"), ("=mlx5_0:2", "mlx5_0:2")):
+        missing = judge_ib_hca(tree.sys, value)
+        assert missing.reason == "CollectiveHcaMissing" and missing.status == Status.FAIL, value
+        assert f"names {named}, which this node lacks" in missing.message and "mlx5_3/1" in missing.message
+    # an exclude list that leaves nothing
+    assert judge_ib_hca(tree.sys, "^mlx5").reason == "CollectiveHcaMissing"
+    # every selected port down: sockets; one of two down: NCCL uses the other (interconnect.ports fails that port)
+    tree.set_state("mlx5_2/1", "DOWN", "Polling")
+    down = judge_ib_hca(tree.sys, "=mlx5_2")
+    assert down.reason == "CollectiveHcaDown" and down.status == Status.FAIL and "mlx5_2/1" in down.message
+    assert judge_ib_hca(tree.sys, "=mlx5_2,mlx5_3").status == Status.OK
+    tree.set_state("mlx5_2/1", "ACTIVE", "LinkUp")
+    assert judge_ib_hca(tree.sys, "=mlx5_2").status == Status.OK
+    # no HCA at all
+    assert judge_ib_hca(tmp_path / "nosys", "mlx5").reason == "CollectiveHcaMissing"
+
+
+@pytest.mark.system
+def test_nccl_ib_hca_is_judged_beside_the_socket_interface(netns: Netns, tmp_path: Path) -> None:
+    tree = ib_node(tmp_path / "sys", 2)
+    config = parse_config(
+        {"interconnect": {"collective_netns": netns.path, "collective_ifname": "ib", "collective_ib_hca": "=mlx5_7"}}
+    )
+    out = CollectiveProbe().run(ProbeContext(Host(dev=tmp_path, sys=tree.sys), config, 10))
+    found = {f.subject: f for f in out if isinstance(f, Finding)}
+    assert found["NCCL_IB_HCA==mlx5_7"].reason == "CollectiveHcaMissing"
+    assert found["ib0"].status == Status.OK  # the socket interface is judged as before
+    # asked only for NCCL_IB_HCA, on a node with nothing else that makes the probe apply: applies
+    alone = parse_config({"interconnect": {"collective_netns": netns.path, "collective_ib_hca": "mlx5"}})
+    out = CollectiveProbe().run(ProbeContext(Host(dev=tmp_path / "nodev", sys=tree.sys), alone, 10))
+    assert {f.subject: f.reason for f in out if isinstance(f, Finding)}["NCCL_IB_HCA=mlx5"] == "OK"
