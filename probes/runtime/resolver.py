@@ -109,19 +109,46 @@ def resolver_from_nameservers(entries: Sequence[str]) -> dns.resolver.Resolver:
     return resolver
 
 
-def host_resolv_conf(paths: HostPaths) -> Path:
-    """The host's resolv.conf, or systemd-resolved's upstream list when the host file names only its stub."""
-    path = paths.root_path("/etc/resolv.conf")
-    with contextlib.suppress(OSError):
-        servers = [
+def _resolv_conf_nameservers(path: Path) -> list[str]:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return [
             line.split()[1]
             for line in path.read_text().splitlines()
             if line.strip().startswith("nameserver") and len(line.split()) > 1
         ]
-        upstream = paths.root_path("/run/systemd/resolve/resolv.conf")
-        if servers and all(s == SYSTEMD_RESOLVED_STUB for s in servers) and upstream.is_file():
-            return upstream
+    return []
+
+
+def host_resolv_conf(paths: HostPaths) -> Path:
+    """The host's resolv.conf, or systemd-resolved's upstream list when the host file names only its stub."""
+    path = paths.root_path("/etc/resolv.conf")
+    servers = _resolv_conf_nameservers(path)
+    upstream = paths.root_path("/run/systemd/resolve/resolv.conf")
+    if servers and all(s == SYSTEMD_RESOLVED_STUB for s in servers) and upstream.is_file():
+        return upstream
     return path
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def host_stubs(paths: HostPaths) -> tuple[str, ...]:
+    """The local stub resolvers the host's own /etc/resolv.conf names (loopback addresses: systemd-resolved's
+    127.0.0.53, a dnsmasq, unbound or nscd-style cache on 127.0.0.1 or ::1): every lookup on the node goes
+    through them, whatever their upstreams say."""
+    servers = _resolv_conf_nameservers(paths.root_path("/etc/resolv.conf"))
+    return tuple(dict.fromkeys(server for server in servers if is_loopback(server)))
+
+
+def stub_service(address: str) -> str:
+    """What usually listens at a local stub address, for findings' fixes."""
+    if address == SYSTEMD_RESOLVED_STUB:
+        return "systemd-resolved"
+    return "the node's local DNS cache (dnsmasq, unbound, nscd-style or NodeLocal DNSCache)"
 
 
 def resolver_from_file(path: Path, search: bool = False) -> ResolverSetup:
