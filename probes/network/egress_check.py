@@ -98,7 +98,7 @@ class NameLookup:
         lifetime = deadline.left("dns", f"resolving {name}") - DNS_LIFETIME_HEADROOM
         if lifetime < MIN_LIFETIME:
             raise EgressError(EGRESS_TIMEOUT, f"no time left to resolve {name} ({deadline.describe()})", phase="dns")
-        outcome = resolve_name(setup.new_resolver(), name, self._dns_timeout, lifetime)
+        outcome = resolve_name(setup.new_resolver(), name, self._dns_timeout, lifetime, both_families=True)
         if not outcome.ok:
             raise EgressError(
                 EGRESS_DNS_FAILED,
@@ -106,7 +106,7 @@ class NameLookup:
                 dns_error=outcome.kind,
                 nameservers=list(setup.nameservers),
             )
-        # A records first (resolve_name asks for A before AAAA): many egress firewalls are IPv4-only.
+        # A records first, then AAAA (many egress firewalls are IPv4-only): connect() races them all.
         return list(outcome.addresses)
 
 

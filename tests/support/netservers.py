@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from support.system import assert_system_test
@@ -33,7 +33,8 @@ NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900-01-01 to 1970-01-01
 
 
 class ZoneResolver(BaseResolver):
-    """A names → IPv4 answers; listed names answer NXDOMAIN or SERVFAIL; `delay` slows every answer."""
+    """A names → IPv4 answers (and `aaaa_records` names → IPv6 answers); listed names answer NXDOMAIN or
+    SERVFAIL; `delay` slows every answer."""
 
     def __init__(
         self,
@@ -41,8 +42,10 @@ class ZoneResolver(BaseResolver):
         nxdomain: tuple[str, ...] = (),
         servfail: tuple[str, ...] = (),
         delay: float = 0.0,
+        aaaa_records: dict[str, str] | None = None,
     ) -> None:
         self.a_records = {name.rstrip(".").lower(): ip for name, ip in a_records.items()}
+        self.aaaa_records = {name.rstrip(".").lower(): ip for name, ip in (aaaa_records or {}).items()}
         self.nxdomain = {name.rstrip(".").lower() for name in nxdomain}
         self.servfail = {name.rstrip(".").lower() for name in servfail}
         self.delay = delay
@@ -56,9 +59,11 @@ class ZoneResolver(BaseResolver):
         self.queries.append(qname)
         if qname in self.servfail:
             reply.header.rcode = RCODE.SERVFAIL
-        elif qname in self.a_records:
-            if request.q.qtype == QTYPE.A:
+        elif qname in self.a_records or qname in self.aaaa_records:
+            if request.q.qtype == QTYPE.A and qname in self.a_records:
                 reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(self.a_records[qname]), ttl=60))
+            if request.q.qtype == QTYPE.AAAA and qname in self.aaaa_records:
+                reply.add_answer(RR(request.q.qname, QTYPE.AAAA, rdata=AAAA(self.aaaa_records[qname]), ttl=60))
         else:
             reply.header.rcode = RCODE.NXDOMAIN
         return reply

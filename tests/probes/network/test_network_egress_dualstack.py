@@ -13,10 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.netservers import Netns
+from support.netservers import DnsTestServer, HttpTestServer, Netns, ZoneResolver, servers
 from support.system import REPO, require_root, require_tool
 
+from agent.config import parse_config
+from probes.base import Finding, ProbeContext, Status
 from probes.network.connect import interleaved
+from probes.network.egress import EgressProbe
+from probes.runtime.host import Host
 
 SNIPPET = textwrap.dedent(
     """
@@ -106,3 +110,20 @@ def test_addresses_alternate_families_from_the_first() -> None:
     assert interleaved(["fd00::2", "fd00::3", "10.0.0.1", "10.0.0.2"]) == ["fd00::2", "10.0.0.1", "fd00::3", "10.0.0.2"]
     assert interleaved(["10.0.0.1", "fd00::2", "10.0.0.1"]) == ["10.0.0.1", "fd00::2"]
     assert interleaved([]) == []
+
+
+@pytest.mark.system
+def test_a_name_from_dns_is_tried_at_its_aaaa_records_too() -> None:
+    """DNS gives the name an A record where nothing listens (127.0.0.2: refused) and an AAAA record that reaches
+    the server (::ffff:127.0.0.1, IPv4-mapped): the check is ok through the AAAA address, naming the A one."""
+    with servers() as started:
+        http = HttpTestServer({"/": 200})
+        dns = DnsTestServer(ZoneResolver({"mirror.test": "127.0.0.2"}, aaaa_records={"mirror.test": "::ffff:7f00:1"}))
+        started.extend([http, dns])
+        target = {"name": "mirror", "host": "mirror.test", "port": http.port, "tls": False, "http_path": "/"}
+        config = parse_config({"network": {"dns": {"nameservers": [dns.address]}, "egress": [target]}})
+        out = EgressProbe().run(ProbeContext(Host(), config, 10.0))
+    (finding,) = [f for f in out if isinstance(f, Finding)]
+    assert (finding.status, finding.observed["http_status"]) == (Status.OK, 200), finding
+    assert finding.observed["address"] == "::ffff:127.0.0.1"
+    assert finding.observed["failed"] == {"127.0.0.2": "refused"}
