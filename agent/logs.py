@@ -2,8 +2,8 @@
 
 A log record can carry tenant text (a path, tool output, an exception's message, an Event's message), so both
 formats escape what they write (probes/text.py): one record is one line, and no control, bidi or zero-width
-character reaches a terminal or a log viewer. A traceback keeps its line breaks; each of its lines is escaped
-(and in the text format marked as a continuation).
+character reaches a terminal or a log viewer. A URL's userinfo (a proxy password) is written as `***`. A
+traceback keeps its line breaks; each of its lines is escaped (and in the text format marked as a continuation).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import sys
 
 from agent.timestamps import rfc3339
-from probes.text import escape
+from probes.text import escape, redact_userinfo
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CONTINUATION = "  | "  # begins each line of a traceback in the text format
@@ -21,7 +21,7 @@ CONTINUATION = "  | "  # begins each line of a traceback in the text format
 
 def escape_lines(text: str, prefix: str = "") -> str:
     """Multi-line text (a traceback): each line escaped and prefixed, the line breaks between them kept."""
-    return "\n".join(prefix + escape(line) for line in text.split("\n"))
+    return "\n".join(prefix + escape(redact_userinfo(line)) for line in text.split("\n"))
 
 
 class TextFormatter(logging.Formatter):
@@ -35,7 +35,7 @@ class TextFormatter(logging.Formatter):
         record.message = record.getMessage()
         if self.usesTime():
             record.asctime = self.formatTime(record, self.datefmt)
-        lines = [escape(self.formatMessage(record))]
+        lines = [escape(redact_userinfo(self.formatMessage(record)))]
         # Formatted here, not taken from record.exc_text: another handler may have cached it unescaped.
         if record.exc_info:
             lines.append(escape_lines(self.formatException(record.exc_info), CONTINUATION))
@@ -52,7 +52,7 @@ class JsonFormatter(logging.Formatter):
             "ts": rfc3339(record.created, milliseconds=True),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": escape(record.getMessage()),
+            "msg": escape(redact_userinfo(record.getMessage())),
         }
         if record.exc_info:
             entry["exc"] = escape_lines(self.formatException(record.exc_info))

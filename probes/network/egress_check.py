@@ -207,16 +207,12 @@ class _Phases:
         self.mark = now
 
 
-def target_proxy(target: EgressTarget) -> Proxy | None:
-    """The target's proxy with its credentials (the URL's userinfo, or proxy_credentials_file read now, so a
-    rotated Secret is used at the next run)."""
-    if not target.proxy:
-        return None
-    proxy = parse_proxy(target.proxy)
-    if target.proxy_credentials_file:
-        path = Path(target.proxy_credentials_file)
-        proxy = proxy.with_credentials(read_credentials(path), "proxy_credentials_file")
-    return proxy
+def with_credentials(target: EgressTarget, proxy: Proxy) -> Proxy:
+    """The proxy with proxy_credentials_file's credentials, read now (a rotated Secret is used at the next run);
+    as it is without that file (the URL's userinfo, or none)."""
+    if not target.proxy_credentials_file:
+        return proxy
+    return proxy.with_credentials(read_credentials(Path(target.proxy_credentials_file)), "proxy_credentials_file")
 
 
 def _open(target: EgressTarget, deadline: Deadline, names: NameLookup, result: EgressResult) -> socket.socket:
@@ -272,7 +268,9 @@ def check_egress(target: EgressTarget, probe_end: float, names: NameLookup, ca_f
     result = EgressResult(target, deadline_seconds=deadline.seconds)
     sock: socket.socket | None = None
     try:
-        result.proxy = target_proxy(target)
+        if target.proxy:
+            result.proxy = parse_proxy(target.proxy)  # shown in observed, whatever happens next
+            result.proxy = with_credentials(target, result.proxy)
         sock = _open(target, deadline, names, result)
         if target.tls:
             sock = _tls_phase(sock, target, ca_file, deadline, result)

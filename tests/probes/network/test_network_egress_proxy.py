@@ -130,6 +130,7 @@ def test_refused_or_missing_credentials_are_told_as_such(lab: ProxyLab) -> None:
     missing = found["missing-file"]
     assert (missing.status, missing.reason) == (Status.UNKNOWN, "EgressProxyCredentialsUnreadable")
     assert "cannot read proxy_credentials_file" in missing.message
+    assert missing.observed["proxy"] == f"http://127.0.0.1:{lab.proxy.port}"
     for name in ("wrong-file", "plain-wrong", "no-credentials"):
         assert lab.shown in found[name].message or lab.url() in found[name].message
     for finding in found.values():
