@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import http.server
 import os
 import select
@@ -19,9 +20,9 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
@@ -29,6 +30,8 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 from support.system import assert_system_test
 
 LOOPBACK = "127.0.0.1"
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900-01-01 to 1970-01-01
 
 
@@ -496,6 +499,34 @@ class Netns:
 
     def close(self) -> None:
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+
+
+def made_in_netns(netns_path: str, factory: Callable[[], T]) -> T:
+    """factory() run by a thread that entered the network namespace at `netns_path` (setns(2) moves only the
+    calling thread): the sockets it binds belong to that namespace for good, while their server threads run
+    anywhere. So a test's servers can listen on addresses such as 127.0.0.53:53 in a namespace of its own,
+    whatever this machine's own namespace has there."""
+    made: list[T] = []
+    failed: list[BaseException] = []
+
+    def enter_and_make() -> None:
+        try:
+            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns {netns_path}")
+            finally:
+                os.close(fd)
+            made.append(factory())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=enter_and_make)
+    thread.start()
+    thread.join(30)
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 @contextlib.contextmanager
