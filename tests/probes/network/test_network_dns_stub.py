@@ -21,6 +21,7 @@ from agent.config import parse_config
 from probes.base import Finding, ProbeContext, Status
 from probes.network.dns import DnsProbe
 from probes.runtime.host import Host
+from probes.runtime.resolver import resolve_name, resolver_from_nameservers
 
 ZONE = {"mirror.test": "127.0.0.1"}
 STUB = "127.0.0.53"
@@ -156,3 +157,13 @@ def test_the_stub_is_asked_in_the_hosts_network_namespace_not_the_agents(node: N
     assert (stub.status, stub.reason) == (Status.FAIL, "DnsStubFailed"), stub
     assert found["mirror.test"].reason == "DnsFailed"  # resolv.conf names only the stub: every lookup fails
     assert "systemd-resolved at 127.0.0.53" in found["mirror.test"].hint
+
+
+def test_nameservers_that_fail_at_once_end_the_lookup_instead_of_spinning(node: Node) -> None:
+    """In a namespace with no route but lo, every try to 192.0.2.53 fails at once (ENETUNREACH): the lookup ends
+    with the error after one round, as glibc's does, instead of trying again and again until its lifetime."""
+    setup = resolver_from_nameservers(["192.0.2.53", "192.0.2.54"])
+    outcome = made_in_netns(node.ns.path, lambda: resolve_name(setup, "mirror.test", 1.0, 6.0))
+    assert (outcome.kind, outcome.silent) == ("error", ()), outcome
+    assert "192.0.2.53 OSError" in outcome.detail and "Network is unreachable" in outcome.detail
+    assert outcome.duration < 5.0  # not the 6 s lifetime spent spinning
