@@ -9,6 +9,7 @@ how it failed, so a finding says "[fd00::2]:443 no answer; 192.0.2.7:443 refused
 from __future__ import annotations
 
 import errno
+import math
 import os
 import select
 import socket
@@ -67,7 +68,11 @@ def _start(address: str, port: int) -> socket.socket | OSError:
     except OSError as exc:
         return exc
     sock.setblocking(False)
-    code = sock.connect_ex((address, port))
+    try:
+        code = sock.connect_ex((address, port))
+    except OSError as exc:  # an address the socket layer cannot take (a bad scope id): that address fails
+        sock.close()
+        return exc
     if code in (0, errno.EINPROGRESS):
         return sock
     sock.close()
@@ -88,7 +93,7 @@ class _Race:
     def wait(self, seconds: float) -> list[tuple[socket.socket, str, int]]:
         """The attempts that ended within `seconds`: (socket, address, 0 or the errno it failed with)."""
         ended = []
-        for fd, _ in self.poller.poll(max(0, int(seconds * 1000))):
+        for fd, _ in self.poller.poll(max(0, math.ceil(seconds * 1000))):
             sock, address = self.pending.pop(fd)
             self.poller.unregister(fd)
             ended.append((sock, address, sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)))
