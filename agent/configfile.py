@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from probes.text import clip
+from probes.text import clip, redact_userinfo
 
 MAX_CONFIG_BYTES = 1 << 20  # a generous config is a few KiB; the shipped one is about 2
 MAX_ALIASES = 100
@@ -35,7 +35,7 @@ def excerpt(value: Any, limit: int = ERROR_EXCERPT_CHARS) -> str:
         text = repr(value) if not isinstance(value, (dict, list)) or _small(value) else f"<{type(value).__name__}>"
     except (RecursionError, ValueError):
         text = f"<{type(value).__name__}>"
-    return clip(text, limit)
+    return clip(redact_userinfo(text), limit)
 
 
 def _small(value: dict[Any, Any] | list[Any]) -> bool:

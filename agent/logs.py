@@ -6,8 +6,8 @@ record of the `node-health.health` logger, with its fields (`event`, `check`, `s
 
 A log record can carry tenant text (a path, tool output, an exception's message, an Event's message), so both
 formats escape what they write (probes/text.py): one record is one line, and no control, bidi or zero-width
-character reaches a terminal or a log viewer. A traceback keeps its line breaks; each of its lines is escaped
-(and in the text format marked as a continuation).
+character reaches a terminal or a log viewer. A URL's userinfo (a proxy password) is written as `***`. A
+traceback keeps its line breaks; each of its lines is escaped (and in the text format marked as a continuation).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from agent.snapshot import GONE, READINESS_CHANGE, Transition
 from agent.timestamps import rfc3339
-from probes.text import escape, escape_value
+from probes.text import escape, escape_value, redact_userinfo
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CONTINUATION = "  | "  # begins each line of a traceback in the text format
@@ -30,7 +30,7 @@ CONTINUATION = "  | "  # begins each line of a traceback in the text format
 
 def escape_lines(text: str, prefix: str = "") -> str:
     """Multi-line text (a traceback): each line escaped and prefixed, the line breaks between them kept."""
-    return "\n".join(prefix + escape(line) for line in text.split("\n"))
+    return "\n".join(prefix + escape(redact_userinfo(line)) for line in text.split("\n"))
 
 
 class TextFormatter(logging.Formatter):
@@ -44,7 +44,7 @@ class TextFormatter(logging.Formatter):
         record.message = record.getMessage()
         if self.usesTime():
             record.asctime = self.formatTime(record, self.datefmt)
-        lines = [escape(self.formatMessage(record))]
+        lines = [escape(redact_userinfo(self.formatMessage(record)))]
         # Formatted here, not taken from record.exc_text: another handler may have cached it unescaped.
         if record.exc_info:
             lines.append(escape_lines(self.formatException(record.exc_info), CONTINUATION))
@@ -65,7 +65,7 @@ class JsonFormatter(logging.Formatter):
             "ts": rfc3339(record.created, milliseconds=True),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": escape(record.getMessage()),
+            "msg": escape(redact_userinfo(record.getMessage())),
         }
         fields = getattr(record, HEALTH_FIELDS, None)
         if isinstance(fields, dict):

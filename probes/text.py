@@ -115,3 +115,14 @@ def one_line(text: str, limit: int | None = None, ellipsis: str = ELLIPSIS) -> s
     `limit` when one is given."""
     flat = escape(text).strip()
     return flat if limit is None else clip(flat, limit, ellipsis)
+
+
+# userinfo in a URL (`scheme://user:password@host`), up to the last `@` before a space or quote: a password
+# holding `@` or `/` (unencoded, as people write them) is still covered; redacting too much is the safe side.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s'\"]*@")
+
+
+def redact_userinfo(text: str) -> str:
+    """`text` with the userinfo of every URL in it replaced by `***` (credentials in a proxy URL are never shown:
+    not in a finding, a log line, /status, an Event or a config error)."""
+    return _USERINFO.sub(r"\1***@", text)

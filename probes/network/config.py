@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from probes.family import PositiveSeconds, Section
+from probes.network.proxy import parse_proxy
 from probes.runtime.addresses import split_host_port
 from probes.runtime.resolver import DEFAULT_TRY_SECONDS, HostResolverSettings
 
@@ -49,7 +50,11 @@ class EgressTarget(Section):
     tls: bool = True
     http_path: str | None = None
     expect_status: list[int] = [200]
-    proxy: str | None = None  # http://host:port (HTTP CONNECT)
+    # http://host:port, or http://user:password@host:port (sent as Proxy-Authorization: Basic, never shown).
+    proxy: str | None = None
+    # A file holding USER:PASSWORD for the proxy (a Secret mounted into the agent; a path in the agent's own
+    # filesystem, not under host.root), read at each check. Not with userinfo in `proxy`.
+    proxy_credentials_file: str | None = None
     timeout_seconds: PositiveSeconds = 5.0
     # Extra CA bundle (a host path, e.g. a corporate CA) trusted besides the agent's default CAs.
     ca_file: str | None = None
@@ -62,9 +67,23 @@ class EgressTarget(Section):
     def _http_proxy(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        if not value.startswith("http://"):
-            raise ValueError("proxy must be http://host:port (HTTP CONNECT)")
-        split_host_port(value[len("http://") :].rstrip("/"), 3128)
+        parse_proxy(value)  # its errors never quote the userinfo
+        return value
+
+    @field_validator("proxy_credentials_file")
+    @classmethod
+    def _one_source_of_credentials(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        proxy = info.data.get("proxy")
+        if proxy is None:
+            raise ValueError("set, but proxy is not (or is invalid): credentials for which proxy?")
+        if parse_proxy(proxy).userinfo:
+            raise ValueError(
+                "set either userinfo in proxy (http://user:password@host:port) or proxy_credentials_file, not both"
+            )
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path (where the Secret is mounted in the agent's container)")
         return value
 
     @field_validator("http_path")

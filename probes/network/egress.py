@@ -13,7 +13,9 @@ from typing import Any
 
 from probes.base import Check, Finding, Probe, ProbeContext, ProbeOutput, Reason, Sample, Status, register
 from probes.network.config import EgressTarget, NetworkConfig
-from probes.network.egress_check import EGRESS_FAILURES, EgressResult, NameLookup, check_egress
+from probes.network.connect import shown_address
+from probes.network.egress_check import EgressResult, NameLookup, check_egress
+from probes.network.egress_errors import EGRESS_FAILURES
 from probes.network.reasons import DEADLINE_EXCEEDED
 from probes.runtime.parallel import check_end, run_parallel, seconds_until, wait_end
 from probes.runtime.resolver import ResolverSetup
@@ -44,8 +46,10 @@ def base_observed(result: EgressResult) -> dict[str, Any]:
         observed["connect_seconds"] = round(result.connect_seconds, 4)
     if result.phases:
         observed["phases"] = {phase: round(seconds, 4) for phase, seconds in result.phases.items()}
-    if target.proxy:
-        observed["proxy"] = target.proxy
+    if result.proxy is not None:
+        observed["proxy"] = result.proxy.shown  # never the credentials
+    if result.lost:
+        observed["failed"] = result.lost
     if result.tls_version:
         observed["tls_version"] = result.tls_version
     if result.http_status is not None:
@@ -63,6 +67,9 @@ def egress_finding(result: EgressResult, slow_ms: float) -> Finding:
     if result.http_status is not None:
         steps.append(f"HTTP {result.http_status}")
     took = f"{subject}: {', '.join(steps)} in {result.duration * 1000:.0f} ms"
+    if result.lost:  # a dual-stack name whose first address is dead: the one that answered, and the others
+        lost = "; ".join(f"{shown_address(address)} {how}" for address, how in result.lost.items())
+        took += f" (through {shown_address(result.address)}; {lost})"
     if result.duration * 1000 > slow_ms:
         observed["slow_ms"] = slow_ms
         slowest = max(result.phases.items(), key=lambda item: item[1], default=None)

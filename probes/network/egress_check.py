@@ -1,4 +1,5 @@
-"""One egress target, phase by phase: name, TCP connect, optional HTTP CONNECT through a proxy, TLS, HTTP GET.
+"""One egress target, phase by phase: name, TCP connect (`probes.network.connect`: every address, raced),
+optional HTTP CONNECT through a proxy (`probes.network.proxy`), TLS, HTTP GET.
 
 Every phase runs under the target's deadline, itself cut to what the probe run has left, so a whitelist gap
 reads as the phase that failed (EgressTimeout at `connect`, EgressTlsFailed at `tls`) instead of a probe
@@ -8,20 +9,29 @@ that overran. Each failure is classified into one reason here.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import http.client
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from probes.base import Reason, Status
-from probes.runtime.addresses import split_host_port
+from probes.network.connect import connect
+from probes.network.egress_errors import (
+    EGRESS_CHECK_FAILED,
+    EGRESS_DNS_FAILED,
+    EGRESS_HTTP_STATUS,
+    EGRESS_REFUSED,
+    EGRESS_TIMEOUT,
+    EGRESS_TLS_FAILED,
+    Deadline,
+    EgressError,
+)
+from probes.network.proxy import Proxy, auth_refused, parse_proxy, proxy_connect, read_credentials
 from probes.runtime.resolver import (
     DNS_KIND_TEXT,
     DNS_LIFETIME_HEADROOM,
@@ -31,88 +41,10 @@ from probes.runtime.resolver import (
     parse_hosts_file,
     resolve_name,
 )
+from probes.text import redact_userinfo
 
 if TYPE_CHECKING:
     from probes.network.config import EgressTarget
-
-EGRESS_DNS_FAILED = Reason(
-    "EgressDnsFailed",
-    Status.FAIL,
-    "the target's (or its proxy's) name does not resolve from this node",
-    "the name does not resolve from this node: check the network.dns findings and the node's resolv.conf; "
-    "add the missing internal DNS record (or split-horizon zone)",
-)
-EGRESS_REFUSED = Reason(
-    "EgressRefused",
-    Status.FAIL,
-    "actively refused or rejected: TCP RST, ICMP unreachable, a blackhole or prohibit route (observed.errno), "
-    "the proxy answering CONNECT with e.g. 403, or a reset at the TLS ClientHello (SNI filtering)",
-    "add this host:port to the egress whitelist / proxy allow-list, or check the service is listening",
-)
-EGRESS_PROXY_AUTH_REQUIRED = Reason(
-    "EgressProxyAuthRequired",
-    Status.FAIL,
-    "the proxy answered CONNECT with 407 Proxy Authentication Required: it lets this node through only with "
-    "credentials (observed.proxy_authenticate names the scheme it asks for)",
-    "proxy authentication required: check the proxy credentials the node's jobs use (HTTPS_PROXY="
-    "http://USER:PASSWORD@PROXY:PORT; expired or rotated?) or have the proxy admit this node's address without "
-    "them; the agent's own CONNECT carries none",
-)
-EGRESS_PROXY_STALLED = Reason(
-    "EgressProxyStalled",
-    Status.FAIL,
-    "the proxy accepted the TCP connection but did not answer CONNECT within the deadline (observed.phase proxy)",
-    "the proxy accepted the connection but did not answer the CONNECT: the proxy is stalled or filtering (not "
-    "the network on the way to it); check the proxy's health and logs, and its own route to the destination",
-)
-EGRESS_TIMEOUT = Reason(
-    "EgressTimeout",
-    Status.FAIL,
-    "no answer in time at observed.phase (dns, connect, tls, http): packets silently dropped",
-    "the egress firewall or security group silently drops this destination: whitelist it, or check the "
-    "routes and the proxy",
-)
-EGRESS_TLS_FAILED = Reason(
-    "EgressTlsFailed",
-    Status.FAIL,
-    "the TLS handshake failed; observed.tls_error has OpenSSL's reason (self-signed certificate, hostname "
-    "mismatch, WRONG_VERSION_NUMBER)",
-    "an intercepting proxy with its own CA: set ca_file to its CA; otherwise fix the certificate, the "
-    "hostname or the port",
-)
-EGRESS_HTTP_STATUS = Reason(
-    "EgressHttpStatus",
-    Status.FAIL,
-    "the server answered GET http_path with a status not in expect_status (a mirror answering 503), or with "
-    "no valid HTTP",
-    "a mirror under maintenance (503), an authentication wall (401/403), or a wrong http_path",
-)
-EGRESS_CHECK_FAILED = Reason(
-    "EgressCheckFailed",
-    Status.UNKNOWN,
-    "the check itself raised an unexpected error",
-    "report it with the message; the other targets are still checked",
-)
-EGRESS_FAILURES = (
-    EGRESS_DNS_FAILED,
-    EGRESS_REFUSED,
-    EGRESS_PROXY_AUTH_REQUIRED,
-    EGRESS_PROXY_STALLED,
-    EGRESS_TIMEOUT,
-    EGRESS_TLS_FAILED,
-    EGRESS_HTTP_STATUS,
-    EGRESS_CHECK_FAILED,
-)
-
-
-class EgressError(Exception):
-    """One failed phase of an egress check: its reason and a one-line message."""
-
-    def __init__(self, reason: Reason, message: str, **observed: Any) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.observed = observed
 
 
 @dataclass
@@ -126,25 +58,10 @@ class EgressResult:
     http_status: int | None = None
     phases: dict[str, float] = field(default_factory=dict)  # phase → seconds, in order
     error: EgressError | None = None
-
-
-class Deadline:
-    def __init__(self, seconds: float, configured: float) -> None:
-        self.seconds = max(0.0, seconds)
-        self.configured = configured
-        self.end = time.monotonic() + self.seconds
-
-    def left(self, phase: str, what: str) -> float:
-        """Seconds left for `phase` (dns, connect, proxy, tls, http); EgressTimeout at that phase when none."""
-        remaining = self.end - time.monotonic()
-        if remaining <= 0:
-            raise EgressError(EGRESS_TIMEOUT, f"no time left before {what} ({self.describe()})", phase=phase)
-        return remaining
-
-    def describe(self) -> str:
-        if self.seconds < self.configured:
-            return f"{self.seconds:.1f} s, cut from timeout_seconds {self.configured:g} s to the probe's deadline"
-        return f"{self.seconds:g} s"
+    # The addresses that lost the connect race to `address`, with how each failed ("no answer" when it was
+    # still trying): a dual-stack name whose IPv6 address is dead answers, and says so.
+    lost: dict[str, str] = field(default_factory=dict)
+    proxy: Proxy | None = None  # parsed, credentials hidden: what findings show as the proxy
 
 
 class NameLookup:
@@ -181,7 +98,7 @@ class NameLookup:
         lifetime = deadline.left("dns", f"resolving {name}") - DNS_LIFETIME_HEADROOM
         if lifetime < MIN_LIFETIME:
             raise EgressError(EGRESS_TIMEOUT, f"no time left to resolve {name} ({deadline.describe()})", phase="dns")
-        outcome = resolve_name(setup.new_resolver(), name, self._dns_timeout, lifetime)
+        outcome = resolve_name(setup.new_resolver(), name, self._dns_timeout, lifetime, both_families=True)
         if not outcome.ok:
             raise EgressError(
                 EGRESS_DNS_FAILED,
@@ -189,130 +106,8 @@ class NameLookup:
                 dns_error=outcome.kind,
                 nameservers=list(setup.nameservers),
             )
-        # A records first (resolve_name asks for A before AAAA): many egress firewalls are IPv4-only.
+        # A records first, then AAAA (many egress firewalls are IPv4-only): connect() races them all.
         return list(outcome.addresses)
-
-
-# connect(2) errors that mean a route or firewall rejected the destination, with what usually causes them.
-REJECTED_ERRNOS = {
-    errno.EHOSTUNREACH: "no route to host: an unreachable route or an ICMP host-unreachable/prohibited reject",
-    errno.ENETUNREACH: "network unreachable: no route to it",
-    errno.EACCES: "a local firewall rule or prohibit route",
-    errno.EPERM: "a local firewall rule",
-    errno.EINVAL: "a blackhole route",
-}
-
-
-def _rejected(exc: OSError, what: str, address: str, port: int) -> EgressError:
-    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-    return EgressError(
-        EGRESS_REFUSED,
-        f"connection to {what} ({address}:{port}) rejected: {name}, {REJECTED_ERRNOS[exc.errno or 0]}",
-        phase="connect",
-        address=address,
-        errno=name,
-    )
-
-
-def connect(addresses: Sequence[str], port: int, deadline: Deadline, what: str) -> tuple[socket.socket, str]:
-    """TCP to the first address that accepts; a refusal moves on to the next, a timeout ends the phase."""
-    last: EgressError | None = None
-    for address in addresses:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(deadline.left("connect", f"connecting to {what}"))
-            sock.connect((address, port))
-            return sock, address
-        except TimeoutError:
-            sock.close()
-            raise EgressError(
-                EGRESS_TIMEOUT,
-                f"TCP connect to {what} ({address}:{port}) got no answer within {deadline.describe()}",
-                phase="connect",
-                address=address,
-            ) from None
-        except ConnectionRefusedError:
-            sock.close()
-            message = f"{what} ({address}:{port}) refused the connection"
-            last = EgressError(EGRESS_REFUSED, message, phase="connect", address=address)
-        except OSError as exc:
-            sock.close()
-            if exc.errno not in REJECTED_ERRNOS:
-                raise
-            last = _rejected(exc, what, address, port)
-        except EgressError:
-            sock.close()
-            raise
-    if last is None:
-        raise EgressError(EGRESS_DNS_FAILED, f"no address for {what}", phase="dns")
-    raise last
-
-
-def _read_http_head(sock: socket.socket, deadline: Deadline, limit: int = 16384) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        sock.settimeout(deadline.left("proxy", "the proxy's answer"))
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > limit:
-            break
-    return data
-
-
-def proxy_connect(sock: socket.socket, proxy: str, host: str, port: int, deadline: Deadline) -> None:
-    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    request = f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: node-health\r\n\r\n"
-    sock.settimeout(deadline.left("proxy", "the proxy CONNECT"))  # none left: the deadline's, not the proxy's
-    try:
-        sock.sendall(request.encode())
-        head = _read_http_head(sock, deadline)
-    except (TimeoutError, EgressError) as exc:
-        if isinstance(exc, EgressError) and exc.reason is not EGRESS_TIMEOUT:
-            raise
-        # Connected, asked, no answer: the proxy itself sits on the request (or drops it), not a firewall on the
-        # way to it, which would have stopped the TCP connect.
-        raise EgressError(
-            EGRESS_PROXY_STALLED,
-            f"proxy {proxy} accepted the connection but did not answer CONNECT {authority} within "
-            f"{deadline.describe()}",
-            phase="proxy",
-        ) from None
-    status_line = head.split(b"\r\n", 1)[0].decode("latin-1", "replace").strip()
-    parts = status_line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-        raise EgressError(EGRESS_REFUSED, f"proxy {proxy} sent no HTTP answer to CONNECT {authority}", phase="proxy")
-    status = int(parts[1])
-    answer = safe_header(status_line[len(parts[0]) + 1 :])
-    if status == 407:
-        scheme = safe_header(_header(head, b"proxy-authenticate"))
-        asks = f" (Proxy-Authenticate: {scheme})" if scheme else ""
-        raise EgressError(
-            EGRESS_PROXY_AUTH_REQUIRED,
-            f"proxy {proxy} answered {answer} to CONNECT {authority}: proxy authentication required{asks}",
-            phase="proxy",
-            proxy_status=status,
-            proxy_authenticate=scheme,
-        )
-    if status // 100 != 2:
-        message = f"proxy {proxy} answered {answer} to CONNECT {authority}"
-        raise EgressError(EGRESS_REFUSED, message, phase="proxy", proxy_status=status)
-
-
-def _header(head: bytes, name: bytes) -> str:
-    """The first value of one header of an HTTP answer's head ("" when absent)."""
-    for line in head.split(b"\r\n")[1:]:
-        key, _, value = line.partition(b":")
-        if key.strip().lower() == name:
-            return value.strip().decode("latin-1", "replace")
-    return ""
-
-
-def safe_header(text: str, limit: int = 120) -> str:
-    """A proxy's header text as a message may show it: printable characters only, bounded."""
-    return "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
 
 
 _SSL_CONTEXT_LOCK = threading.Lock()
@@ -360,19 +155,34 @@ def tls_handshake(sock: socket.socket, host: str, ca_file: Path | None, deadline
         raise EgressError(EGRESS_REFUSED, message, phase="tls") from None
 
 
-def http_get(sock: socket.socket, target: EgressTarget, deadline: Deadline) -> tuple[int, str]:
+def forwarded(target: EgressTarget) -> bool:
+    """Plain HTTP through a proxy goes as curl sends it: `GET http://host/path` to the proxy (forward proxying),
+    which proxies allow where they refuse CONNECT to port 80; TLS and bare TCP go through CONNECT."""
+    return bool(target.proxy) and not target.tls and target.http_path is not None
+
+
+def http_get(sock: socket.socket, target: EgressTarget, deadline: Deadline, proxy: Proxy | None) -> tuple[int, str]:
+    """GET http_path on the connection (`proxy`: to that forward proxy, in absolute form, with its credentials)."""
     default_port = 443 if target.tls else 80
-    host_header = target.host if target.port == default_port else f"{target.host}:{target.port}"
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    host_header = host if target.port == default_port else f"{host}:{target.port}"
+    path = target.http_path or "/"
     conn = http.client.HTTPConnection(target.host, target.port, timeout=deadline.left("http", "the HTTP request"))
     conn.sock = sock
     try:
-        conn.putrequest("GET", target.http_path or "/", skip_host=True, skip_accept_encoding=True)
+        conn.putrequest("GET", f"http://{host_header}{path}" if proxy else path, True, True)
         conn.putheader("Host", host_header)
         conn.putheader("User-Agent", "node-health")
+        if proxy is not None and proxy.userinfo:
+            conn.putheader("Proxy-Authorization", proxy.authorization())
         conn.putheader("Connection", "close")
         conn.endheaders()
         sock.settimeout(deadline.left("http", "the HTTP answer"))
         response = conn.getresponse()
+        if proxy is not None and response.status == 407:
+            scheme = response.getheader("Proxy-Authenticate") or ""
+            answer = f"{response.status} {response.reason}"
+            raise auth_refused(proxy, answer, f"GET http://{host_header}{path}", scheme[:120])
         return response.status, response.reason
     except TimeoutError:
         message = f"no HTTP answer to GET {target.http_path} within {deadline.describe()}"
@@ -397,22 +207,30 @@ class _Phases:
         self.mark = now
 
 
+def with_credentials(target: EgressTarget, proxy: Proxy) -> Proxy:
+    """The proxy with proxy_credentials_file's credentials, read now (a rotated Secret is used at the next run);
+    as it is without that file (the URL's userinfo, or none)."""
+    if not target.proxy_credentials_file:
+        return proxy
+    return proxy.with_credentials(read_credentials(Path(target.proxy_credentials_file)), "proxy_credentials_file")
+
+
 def _open(target: EgressTarget, deadline: Deadline, names: NameLookup, result: EgressResult) -> socket.socket:
-    """DNS and TCP connect (to the proxy and through its CONNECT when there is one)."""
+    """DNS and TCP connect (to the proxy, and through its CONNECT unless the request is forwarded)."""
     phases = _Phases(result)
-    if target.proxy:
-        proxy_host, proxy_port = split_host_port(target.proxy[len("http://") :].rstrip("/"), 3128)
-        host, port, what = proxy_host, proxy_port, f"proxy {target.proxy}"
+    proxy = result.proxy
+    if proxy is not None:
+        host, port, what = proxy.host, proxy.port, f"proxy {proxy.shown}"
     else:
         host, port, what = target.host, target.port, target.host
     addresses = names.addresses(host, deadline)
     phases.done("dns")
-    sock, result.address = connect(addresses, port, deadline, what)
+    sock, result.address, result.lost = connect(addresses, port, deadline, what)
     phases.done("connect")
     result.connect_seconds = result.phases["connect"]
-    if target.proxy:
+    if proxy is not None and not forwarded(target):
         try:
-            proxy_connect(sock, target.proxy, target.host, target.port, deadline)
+            proxy_connect(sock, proxy, target.host, target.port, deadline)
         except BaseException:
             sock.close()
             raise
@@ -433,7 +251,7 @@ def _tls_phase(
 def _http_phase(sock: socket.socket, target: EgressTarget, deadline: Deadline, result: EgressResult) -> None:
     phases = _Phases(result)
     try:
-        status, reason = http_get(sock, target, deadline)
+        status, reason = http_get(sock, target, deadline, result.proxy if forwarded(target) else None)
     finally:
         phases.done("http")
     result.http_status = status
@@ -450,6 +268,9 @@ def check_egress(target: EgressTarget, probe_end: float, names: NameLookup, ca_f
     result = EgressResult(target, deadline_seconds=deadline.seconds)
     sock: socket.socket | None = None
     try:
+        if target.proxy:
+            result.proxy = parse_proxy(target.proxy)  # shown in observed, whatever happens next
+            result.proxy = with_credentials(target, result.proxy)
         sock = _open(target, deadline, names, result)
         if target.tls:
             sock = _tls_phase(sock, target, ca_file, deadline, result)
@@ -461,7 +282,8 @@ def check_egress(target: EgressTarget, probe_end: float, names: NameLookup, ca_f
         message = f"{type(exc).__name__}: {exc}"
         result.error = EgressError(EGRESS_REFUSED, message, phase="connect", errno=exc.errno)
     except Exception as exc:  # noqa: BLE001 - a bug or an exotic library error must not take the other targets down
-        result.error = EgressError(EGRESS_CHECK_FAILED, f"the check itself failed: {type(exc).__name__}: {exc}")
+        message = f"the check itself failed: {type(exc).__name__}: {redact_userinfo(str(exc))}"
+        result.error = EgressError(EGRESS_CHECK_FAILED, message)
     finally:
         if sock is not None:
             with contextlib.suppress(OSError):

@@ -109,6 +109,7 @@ class Tries:
     silent: dict[str, float] = field(default_factory=dict)  # nameserver → seconds waited for it in vain
     errors: dict[str, str] = field(default_factory=dict)  # nameserver → SERVFAIL, REFUSED, a malformed answer
     answered_by: str = ""
+    failed_tries: int = 0  # tries that ended in an error at once (no route, a malformed answer), not silence
 
 
 class LookupTimeout(Exception):
@@ -135,8 +136,13 @@ def ask(
             if left <= 0.01:
                 raise LookupTimeout
             wait = min(schedule.wait(index, len(servers)), left)
+            errors_before = tries.failed_tries
             answer = _one_try(query, server, wait, tries)
             if answer is None:
+                # An error (no route to it, a malformed answer) counts as a failed nameserver: when every one
+                # fails so, another round says the same at once, and rounds until the lifetime would spin.
+                if tries.failed_tries > errors_before:
+                    failed += 1
                 continue
             if answer.rcode() in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
                 tries.answered_by = server.shown()
@@ -161,6 +167,7 @@ def _one_try(query: dns.message.Message, server: Nameserver, wait: float, tries:
         return None
     except (OSError, dns.exception.DNSException) as exc:
         tries.errors[server.shown()] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        tries.failed_tries += 1
         return None
     return answer
 

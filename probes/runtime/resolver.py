@@ -109,19 +109,46 @@ def resolver_from_nameservers(entries: Sequence[str]) -> dns.resolver.Resolver:
     return resolver
 
 
-def host_resolv_conf(paths: HostPaths) -> Path:
-    """The host's resolv.conf, or systemd-resolved's upstream list when the host file names only its stub."""
-    path = paths.root_path("/etc/resolv.conf")
-    with contextlib.suppress(OSError):
-        servers = [
+def _resolv_conf_nameservers(path: Path) -> list[str]:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        return [
             line.split()[1]
             for line in path.read_text().splitlines()
             if line.strip().startswith("nameserver") and len(line.split()) > 1
         ]
-        upstream = paths.root_path("/run/systemd/resolve/resolv.conf")
-        if servers and all(s == SYSTEMD_RESOLVED_STUB for s in servers) and upstream.is_file():
-            return upstream
+    return []
+
+
+def host_resolv_conf(paths: HostPaths) -> Path:
+    """The host's resolv.conf, or systemd-resolved's upstream list when the host file names only its stub."""
+    path = paths.root_path("/etc/resolv.conf")
+    servers = _resolv_conf_nameservers(path)
+    upstream = paths.root_path("/run/systemd/resolve/resolv.conf")
+    if servers and all(s == SYSTEMD_RESOLVED_STUB for s in servers) and upstream.is_file():
+        return upstream
     return path
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def host_stubs(paths: HostPaths) -> tuple[str, ...]:
+    """The local stub resolvers the host's own /etc/resolv.conf names (loopback addresses: systemd-resolved's
+    127.0.0.53, a dnsmasq, unbound or nscd-style cache on 127.0.0.1 or ::1): every lookup on the node goes
+    through them, whatever their upstreams say."""
+    servers = _resolv_conf_nameservers(paths.root_path("/etc/resolv.conf"))
+    return tuple(dict.fromkeys(server for server in servers if is_loopback(server)))
+
+
+def stub_service(address: str) -> str:
+    """What usually listens at a local stub address, for findings' fixes."""
+    if address == SYSTEMD_RESOLVED_STUB:
+        return "systemd-resolved"
+    return "the node's local DNS cache (dnsmasq, unbound, nscd-style or NodeLocal DNSCache)"
 
 
 def resolver_from_file(path: Path, search: bool = False) -> ResolverSetup:
@@ -203,11 +230,31 @@ def _schedule(resolver: dns.resolver.Resolver, timeout: float) -> TrySchedule:
     return TrySchedule(timeout, None, False, f"{timeout:g} s per try")
 
 
+def _also_aaaa(servers: list[Nameserver], qname: dns.name.Name, schedule: TrySchedule, deadline: float) -> list[str]:
+    """A name's AAAA records beside the A records it has, for a caller that tries every address (egress, as
+    curl does): one try's wait at most, and nothing when it fails; the A records already answer the name."""
+    end = min(deadline, time.monotonic() + schedule.wait(0, len(servers)))
+    try:
+        answer = ask(servers, qname, dns.rdatatype.AAAA, schedule, end, Tries())
+    except LookupTimeout:
+        return []
+    if answer is None:
+        return []
+    return [str(rr) for rrset in answer.answer if rrset.rdtype == dns.rdatatype.AAAA for rr in rrset]
+
+
 def _lookup(
-    resolver: dns.resolver.Resolver, name: str, deadline: float, search: bool, schedule: TrySchedule, tries: Tries
+    resolver: dns.resolver.Resolver,
+    name: str,
+    deadline: float,
+    search: bool,
+    schedule: TrySchedule,
+    tries: Tries,
+    both_families: bool = False,
 ) -> tuple[str, list[str], str]:
     """("", addresses, the name that answered), or (kind, [], "") for a name no candidate resolved: A, then
-    AAAA when a candidate has no A record; raises LookupTimeout."""
+    AAAA when a candidate has no A record (with `both_families`, AAAA after the A records too); raises
+    LookupTimeout."""
     servers = _nameservers(resolver)
     if not servers:
         return "no_nameserver", [], ""
@@ -225,6 +272,8 @@ def _lookup(
             if answer.rcode() == dns.rcode.NXDOMAIN:
                 break
             addresses = [str(rr) for rrset in answer.answer if rrset.rdtype == rdtype for rr in rrset]
+            if addresses and both_families and rdtype == dns.rdatatype.A:
+                addresses += _also_aaaa(servers, qname, schedule, deadline)
             if addresses:
                 return "", addresses, qname.to_text(omit_final_dot=True)
             kind = "no_answer"
@@ -232,7 +281,12 @@ def _lookup(
 
 
 def resolve_name(
-    resolver: dns.resolver.Resolver, name: str, timeout: float, lifetime: float, search: bool = False
+    resolver: dns.resolver.Resolver,
+    name: str,
+    timeout: float,
+    lifetime: float,
+    search: bool = False,
+    both_families: bool = False,
 ) -> DnsOutcome:
     """A then AAAA for one name, bounded by `lifetime`; errors classified, the nameservers that did not
     answer named. A resolver from a resolv.conf asks as glibc does (`probes.runtime.dnsquery`: its timeout
@@ -240,7 +294,8 @@ def resolve_name(
     per try until the lifetime ends.
 
     With `search`, a relative name is expanded with the resolver's search list as the C library does
-    (ndots decides whether the name is first tried as is).
+    (ndots decides whether the name is first tried as is). With `both_families`, a name with A records gets its
+    AAAA records too (after them), as getaddrinfo gives curl both.
     """
     schedule = _schedule(resolver, timeout)
     tries = Tries()
@@ -254,7 +309,9 @@ def resolve_name(
         )  # fmt: skip
 
     try:
-        kind, addresses, resolved_as = _lookup(resolver, name, started + lifetime, search, schedule, tries)
+        kind, addresses, resolved_as = _lookup(
+            resolver, name, started + lifetime, search, schedule, tries, both_families
+        )
     except LookupTimeout:
         return outcome("timeout", "; ".join(f"{server} did not answer" for server in tries.silent) or "no answer")
     except (ValueError, dns.exception.DNSException) as exc:  # a name dnspython cannot encode

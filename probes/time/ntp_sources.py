@@ -20,6 +20,10 @@ from probes.runtime.paths import HostPaths
 
 CONFIGURED = "time.ntp_servers"
 MAX_DISCOVERED = 8  # a pool line may be followed by many more; a handful judges the clock
+# chrony's default `maxsources` of a pool: how many of a name's addresses judge the clock. A `server` name (or a
+# time.ntp_servers entry) with several addresses is judged the same way, by up to this many that answer.
+DEFAULT_MAX_SOURCES = 4
+MAX_MAX_SOURCES = 16  # chrony's own limit for maxsources
 MAX_INCLUDE_DEPTH = 4
 
 CHRONY_FILES = ("/etc/chrony.conf", "/etc/chrony/chrony.conf")
@@ -42,6 +46,8 @@ class NtpServer:
     port: int
     source: str  # "time.ntp_servers" or the host file it came from, e.g. /etc/chrony/chrony.conf
     directive: str = ""  # server, pool, peer, NTP, FallbackNTP
+    # Of the addresses the name resolves to, how many answering ones judge the clock (a pool's maxsources).
+    max_sources: int = DEFAULT_MAX_SOURCES
 
 
 @dataclass
@@ -72,11 +78,15 @@ def parse_chrony_conf(text: str, source: str) -> tuple[list[NtpServer], list[tup
         words = line.split()
         keyword = words[0].lower()
         if keyword in SOURCE_DIRECTIVES and len(words) >= 2:
-            port = 123
+            port, max_sources = 123, DEFAULT_MAX_SOURCES
             for option, value in itertools.pairwise(words[2:]):
-                if option.lower() == "port" and value.isdigit() and 0 < int(value) < 65536:
+                if not value.isascii() or not value.isdigit():
+                    continue
+                if option.lower() == "port" and 0 < int(value) < 65536:
                     port = int(value)
-            servers.append(NtpServer(_entry(words[1], port), words[1], port, source, keyword))
+                elif option.lower() == "maxsources" and keyword == "pool" and int(value) > 0:
+                    max_sources = min(int(value), MAX_MAX_SOURCES)
+            servers.append(NtpServer(_entry(words[1], port), words[1], port, source, keyword, max_sources))
         elif keyword in ("include", "confdir", "sourcedir") and len(words) >= 2:
             includes.append((keyword, words[1:]))
     return servers, includes

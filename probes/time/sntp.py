@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from probes.runtime.parallel import run_parallel
 from probes.runtime.resolver import (
     DNS_KIND_TEXT,
     DNS_LIFETIME_HEADROOM,
@@ -28,6 +29,8 @@ from probes.time.ntp_sources import NtpServer
 
 NTP_EPOCH_OFFSET = 2208988800  # 1900-01-01 → 1970-01-01
 NTP_PACKET = struct.Struct("!BBbbII4s8s8s8s8s")  # 48 bytes
+# A name's addresses asked at most (a pool name may give many more; chrony's maxsources is at most 16).
+MAX_MEMBERS = 16
 
 
 class SntpRejected(Exception):
@@ -129,6 +132,13 @@ class ServerResult:
     resolved_from: str = ""  # "/etc/hosts" or "dns" for a name; "" for an address
     # The name resolved nowhere (every source said so): the server was never asked.
     unresolved: bool = False
+    # Of how many addresses of the server's name this one is (a pool member); 1: the server is one address.
+    members: int = 1
+
+    @property
+    def subject(self) -> str:
+        """The server as configured; a member of a name with several addresses as `NAME (ADDRESS)`."""
+        return f"{self.server.entry} ({self.address})" if self.members > 1 else self.server.entry
 
 
 @dataclass(frozen=True)
@@ -145,17 +155,18 @@ class Unresolved(SntpRejected):
     """No source knows the name."""
 
 
-def _address(server: NtpServer, timeout: float, lookup: NameSources) -> tuple[str, str]:
-    """(the server's address, where it came from): itself when it is one, else the first source of the
-    lookup order that knows the name. Raises Unresolved naming what each source said."""
+def _addresses(server: NtpServer, timeout: float, lookup: NameSources) -> tuple[list[str], str]:
+    """(the server's addresses, where they came from): itself when it is one, else every address the first
+    source of the lookup order that knows the name gives (a pool's members). Raises Unresolved naming what each
+    source said."""
     if is_ip_address(server.host):
-        return server.host, ""
+        return [server.host], ""
     said: list[str] = []
     for source in lookup.names.order:
         if source == NSS_FILES:
             found = lookup.names.from_hosts_file(server.host)
             if found:
-                return found[0], "/etc/hosts"
+                return list(dict.fromkeys(found)), "/etc/hosts"
             said.append("not in /etc/hosts")
         elif source == NSS_DNS:
             setup = lookup.dns_setup()
@@ -165,30 +176,50 @@ def _address(server: NtpServer, timeout: float, lookup: NameSources) -> tuple[st
             lifetime = max(MIN_LIFETIME, timeout - DNS_LIFETIME_HEADROOM)
             outcome = resolve_name(setup.new_resolver(), server.host, lookup.dns_timeout, lifetime)
             if outcome.ok:
-                return outcome.addresses[0], NSS_DNS
+                return list(dict.fromkeys(outcome.addresses)), NSS_DNS
             said.append(f"DNS: {DNS_KIND_TEXT[outcome.kind]}")
     if not said:
         said.append("the host's nsswitch.conf consults neither /etc/hosts nor DNS")
     raise Unresolved(f"cannot resolve {server.host}: {'; '.join(said)}")
 
 
-def query_server(server: NtpServer, timeout: float, lookup: NameSources) -> ServerResult:
-    """One server, name and exchange together bounded by `timeout`; never raises for the server's faults."""
+def _ask(server: NtpServer, address: str, left: float, resolved_from: str, members: int) -> ServerResult:
+    """One address of the server, bounded by `left` seconds; never raises for the server's faults."""
+    if left <= 0.05:
+        return ServerResult(
+            server, None, "no time left after resolving the name", address, resolved_from, False, members
+        )
+    try:
+        answer = sntp_query(address, server.port, left)
+    except TimeoutError:
+        return ServerResult(server, None, f"no answer within {left:.1f} s", address, resolved_from, False, members)
+    except SntpRejected as exc:
+        return ServerResult(server, None, str(exc), address, resolved_from, False, members)
+    except OSError as exc:
+        return ServerResult(server, None, f"{exc.strerror or exc}", address, resolved_from, False, members)
+    return ServerResult(server, answer, address=address, resolved_from=resolved_from, members=members)
+
+
+def query_server(server: NtpServer, timeout: float, lookup: NameSources) -> list[ServerResult]:
+    """One configured server, name and exchanges together bounded by `timeout`; never raises for the server's
+    faults. A name with several addresses (a pool) is asked at up to MAX_MEMBERS of them at once, and judged,
+    as chrony judges a pool, by the first `max_sources` that answer: those and every member that gave no usable
+    answer come back, one result each."""
     started = time.monotonic()
     try:
-        address, resolved_from = _address(server, timeout, lookup)
+        addresses, resolved_from = _addresses(server, timeout, lookup)
     except Unresolved as exc:
-        return ServerResult(server, None, str(exc), unresolved=True)
+        return [ServerResult(server, None, str(exc), unresolved=True)]
     left = timeout - (time.monotonic() - started)
-    if left <= 0.05:
-        return ServerResult(server, None, "no time left after resolving the name", address, resolved_from)
-    try:
-        return ServerResult(
-            server, sntp_query(address, server.port, left), address=address, resolved_from=resolved_from
-        )
-    except TimeoutError:
-        return ServerResult(server, None, f"no answer within {left:.1f} s", address, resolved_from)
-    except SntpRejected as exc:
-        return ServerResult(server, None, str(exc), address, resolved_from)
-    except OSError as exc:
-        return ServerResult(server, None, f"{exc.strerror or exc}", address, resolved_from)
+    if len(addresses) == 1:
+        return [_ask(server, addresses[0], left, resolved_from, 1)]
+    members = addresses[:MAX_MEMBERS]
+    jobs = [(lambda address=address: _ask(server, address, left, resolved_from, len(members))) for address in members]
+    results = run_parallel(jobs, left + 0.2)
+    done = [
+        result
+        or ServerResult(server, None, "the query did not finish in time", address, resolved_from, False, len(members))
+        for address, result in zip(members, results, strict=True)
+    ]
+    answered = [result for result in done if result.answer is not None][: server.max_sources]
+    return [result for result in done if result.answer is None or result in answered]

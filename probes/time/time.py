@@ -70,6 +70,11 @@ HINT_UNRESOLVED = (
     "often name their NTP servers only there) or to DNS, or configure its address (time.ntp_servers, or the "
     "daemon's config)"
 )
+HINT_DEAD_MEMBER = (
+    "{address}, one of the addresses {name} resolves to, gives no usable answer (decommissioned, or UDP 123 "
+    "blocked): take it out of {name}'s DNS records (or the hosts file), or fix it; chrony replaces a dead pool "
+    "member, but every other client of the name may pick it"
+)
 ADJTIMEX_FAILED = Reason(
     "AdjtimexFailed",
     Status.UNKNOWN,
@@ -119,6 +124,9 @@ def server_observed(result: ServerResult) -> dict[str, Any]:
     observed: dict[str, Any] = {"source": result.server.source}
     if result.server.directive:
         observed["directive"] = result.server.directive
+    if result.members > 1:  # one of a name's addresses: the name, and how many of its members judge the clock
+        observed.update({"name": result.server.entry, "members": result.members})
+        observed["max_sources"] = result.server.max_sources
     if result.address:
         observed["address"] = result.address
     if result.resolved_from:
@@ -139,14 +147,16 @@ def server_observed(result: ServerResult) -> dict[str, Any]:
 
 
 def server_finding(result: ServerResult, verdict: Verdict | None, others_answered: bool, required: bool) -> Finding:
-    """One server's finding. No usable answer is unknown (and `required`: it blocks readiness) when no server
-    answered, a warning when another one did (the clock is judged by those)."""
-    subject = result.server.entry
+    """One server's (or pool member's) finding. No usable answer is unknown (and `required`: it blocks
+    readiness) when no server answered, a warning when another one did (the clock is judged by those)."""
+    subject = result.subject
     observed = server_observed(result)
     answer = result.answer
     if answer is None or verdict is None:
         message = f"no usable answer from NTP server {subject}: {result.error}"
         hint = HINT_UNRESOLVED.format(name=result.server.host) if result.unresolved else None
+        if result.members > 1:
+            hint = HINT_DEAD_MEMBER.format(address=result.address, name=result.server.host)
         if others_answered:
             message += "; the clock is judged by the servers that answered"
             return SYNC.report(NTP_NO_ANSWER, subject, message, observed, hint=hint, status=Status.WARN)
@@ -164,7 +174,7 @@ def server_finding(result: ServerResult, verdict: Verdict | None, others_answere
 def server_samples(result: ServerResult) -> list[Sample]:
     if result.answer is None:
         return []
-    labels = {"server": result.server.entry}
+    labels = {"server": result.subject}
     return [
         Sample(
             "nodehealth_time_offset_seconds",
@@ -212,13 +222,13 @@ class TimeProbe(Probe):
         settings = ctx.settings(TimeConfig)
         sources = ntp_sources(list(settings.ntp_servers), ctx.host.paths)
         results = self._query(ctx, sources)
-        answered = {r.server.entry: r.answer.offset for r in results if r.answer is not None}
+        answered = {r.subject: r.answer.offset for r in results if r.answer is not None}
         verdicts = judge_offsets(answered, settings.warn_offset_seconds, settings.fail_offset_seconds)
         # Servers are configured, yet none gave a usable answer: nothing vouches for the clock (time.required).
         required = settings.required and not answered
         out: ProbeOutput = []
         for result in results:
-            out.append(server_finding(result, verdicts.get(result.server.entry), bool(answered), required))
+            out.append(server_finding(result, verdicts.get(result.subject), bool(answered), required))
             out.extend(server_samples(result))
         chrony, chrony_error = chrony_tracking(ctx)
         if chrony_error:
@@ -253,6 +263,7 @@ class TimeProbe(Probe):
         jobs = [(lambda server=server: query_server(server, budget, lookup)) for server in sources.servers]
         results = run_parallel(jobs, min(budget + 0.5, ctx.remaining() - QUERY_MARGIN / 3))
         return [
-            result or ServerResult(server, None, "the query did not finish in time")
+            member
             for server, result in zip(sources.servers, results, strict=True)
+            for member in (result or [ServerResult(server, None, "the query did not finish in time")])
         ]

@@ -24,7 +24,17 @@ from hypothesis import strategies as st
 from agent.kube.node.events import EventQueue
 from agent.logs import CONTINUATION, JsonFormatter, TextFormatter, configure_logging
 from probes.base import Event, Finding, Sample, Status
-from probes.text import ELLIPSIS, ESCAPE_GROWTH_MAX, ESCAPES_MAX, REPLACEMENT, clip, escape, escape_value, one_line
+from probes.text import (
+    ELLIPSIS,
+    ESCAPE_GROWTH_MAX,
+    ESCAPES_MAX,
+    REPLACEMENT,
+    clip,
+    escape,
+    escape_value,
+    one_line,
+    redact_userinfo,
+)
 
 # Written out, not taken from the code under test: the characters the issue names.
 C0_C1 = [chr(c) for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))]
@@ -250,3 +260,24 @@ def test_configure_logging_installs_the_escaping_formatters(monkeypatch: pytest.
         root.setLevel(saved_level)
         for handler in ours:
             root.addHandler(handler)
+
+
+SECRET_URL = "proxy http://svc:s3cr3t@proxy.example:3128 refused; also 'https://u:p@w@h/x'"
+
+
+def test_userinfo_is_redacted_from_urls() -> None:
+    assert redact_userinfo(SECRET_URL) == "proxy http://***@proxy.example:3128 refused; also 'https://***@h/x'"
+    assert redact_userinfo("http://proxy.example:3128 and mail user@example.com") == (
+        "http://proxy.example:3128 and mail user@example.com"
+    )
+
+
+def test_events_and_both_log_formats_never_carry_a_urls_password() -> None:
+    queue = EventQueue("node-a", lambda: 0.0, lambda: 0.0, random.Random(0), lambda _what: None, 1.0, 10.0)
+    queue.add("EgressProxyAuthRequired", SECRET_URL, True)
+    (queued,) = queue.pending()
+    assert "s3cr3t" not in queued.message and "http://***@proxy.example:3128" in queued.message
+    text = TextFormatter().format(_record("egress: %s", SECRET_URL, exc=_raised(SECRET_URL)))
+    entry = json.loads(JsonFormatter().format(_record("egress: %s", SECRET_URL, exc=_raised(SECRET_URL))))
+    for written in (text, entry["msg"], entry["exc"]):
+        assert "s3cr3t" not in written and "***@proxy.example:3128" in written

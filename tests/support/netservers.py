@@ -7,7 +7,9 @@ is stopped by `close()`; the `servers` context manager closes everything it star
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import ctypes
 import http.server
 import os
 import select
@@ -18,21 +20,24 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from support.system import assert_system_test
 
 LOOPBACK = "127.0.0.1"
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 NTP_EPOCH_OFFSET = 2208988800  # seconds from 1900-01-01 to 1970-01-01
 
 
 class ZoneResolver(BaseResolver):
-    """A names → IPv4 answers; listed names answer NXDOMAIN or SERVFAIL; `delay` slows every answer."""
+    """A names → IPv4 answers (and `aaaa_records` names → IPv6 answers); listed names answer NXDOMAIN or
+    SERVFAIL; `delay` slows every answer."""
 
     def __init__(
         self,
@@ -40,8 +45,10 @@ class ZoneResolver(BaseResolver):
         nxdomain: tuple[str, ...] = (),
         servfail: tuple[str, ...] = (),
         delay: float = 0.0,
+        aaaa_records: dict[str, str] | None = None,
     ) -> None:
         self.a_records = {name.rstrip(".").lower(): ip for name, ip in a_records.items()}
+        self.aaaa_records = {name.rstrip(".").lower(): ip for name, ip in (aaaa_records or {}).items()}
         self.nxdomain = {name.rstrip(".").lower() for name in nxdomain}
         self.servfail = {name.rstrip(".").lower() for name in servfail}
         self.delay = delay
@@ -55,9 +62,11 @@ class ZoneResolver(BaseResolver):
         self.queries.append(qname)
         if qname in self.servfail:
             reply.header.rcode = RCODE.SERVFAIL
-        elif qname in self.a_records:
-            if request.q.qtype == QTYPE.A:
+        elif qname in self.a_records or qname in self.aaaa_records:
+            if request.q.qtype == QTYPE.A and qname in self.a_records:
                 reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(self.a_records[qname]), ttl=60))
+            if request.q.qtype == QTYPE.AAAA and qname in self.aaaa_records:
+                reply.add_answer(RR(request.q.qname, QTYPE.AAAA, rdata=AAAA(self.aaaa_records[qname]), ttl=60))
         else:
             reply.header.rcode = RCODE.NXDOMAIN
         return reply
@@ -341,15 +350,16 @@ class _ConnectHandler(socketserver.BaseRequestHandler):
             if not chunk:
                 return
             data += chunk
-        method, target, _ = data.split(b"\r\n", 1)[0].decode().split(" ", 2)
-        host, _, port = target.rpartition(":")
-        if self.server.auth_realm and b"\r\nproxy-authorization:" not in data.lower():  # type: ignore[attr-defined]
-            realm = self.server.auth_realm  # type: ignore[attr-defined]
-            conn.sendall(
-                b"HTTP/1.1 407 Proxy Authentication Required\r\n"
-                + f'Proxy-Authenticate: Basic realm="{realm}"\r\nContent-Length: 0\r\n\r\n'.encode()
-            )
+        head, _, rest = data.partition(b"\r\n\r\n")
+        method, target, _ = head.split(b"\r\n", 1)[0].decode().split(" ", 2)
+        authorization = _request_header(head, b"proxy-authorization")
+        self.server.seen.append((method, target, authorization))  # type: ignore[attr-defined]
+        if not self._authorized(conn, authorization):
             return
+        if method == "GET" and target.startswith("http://"):
+            self._forward(conn, head, rest, target)
+            return
+        host, _, port = target.rpartition(":")
         if host in self.server.stall_hosts:  # type: ignore[attr-defined]
             # Like a proxy whose own connection to the destination hangs: the CONNECT is read, never answered.
             self.server.stop.wait(30)  # type: ignore[attr-defined]
@@ -366,6 +376,45 @@ class _ConnectHandler(socketserver.BaseRequestHandler):
         conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
         with upstream:
             _pipe(conn, upstream)
+
+    def _authorized(self, conn: socket.socket, authorization: str) -> bool:
+        """With auth_realm: only `Basic base64(credentials)` passes (no header, or other ones, answer 407)."""
+        realm = self.server.auth_realm  # type: ignore[attr-defined]
+        if not realm:
+            return True
+        credentials = self.server.credentials  # type: ignore[attr-defined]
+        expected = "Basic " + base64.b64encode(credentials.encode()).decode() if credentials else None
+        if authorization and (expected is None or authorization == expected):
+            return True
+        conn.sendall(
+            b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+            + f'Proxy-Authenticate: Basic realm="{realm}"\r\nContent-Length: 0\r\n\r\n'.encode()
+        )
+        return False
+
+    def _forward(self, conn: socket.socket, head: bytes, rest: bytes, target: str) -> None:
+        """Forward proxying of plain HTTP (`GET http://host:port/path`): to 127.0.0.1:<routes[host]>, the
+        request line in origin form, the Proxy-Authorization header dropped as a proxy does."""
+        authority, _, path = target[len("http://") :].partition("/")
+        host = authority.rsplit(":", 1)[0] if authority.count(":") == 1 else authority
+        upstream_port = self.server.routes.get(host)  # type: ignore[attr-defined]
+        if upstream_port is None:
+            conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+            return
+        lines = head.split(b"\r\n")
+        lines[0] = f"GET /{path} HTTP/1.1".encode()
+        kept = [line for line in lines if not line.lower().startswith(b"proxy-authorization:")]
+        with socket.create_connection((LOOPBACK, upstream_port), timeout=5) as upstream:
+            upstream.sendall(b"\r\n".join(kept) + b"\r\n\r\n" + rest)
+            _pipe(conn, upstream)
+
+
+def _request_header(head: bytes, name: bytes) -> str:
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip().decode("latin-1")
+    return ""
 
 
 def _pipe(a: socket.socket, b: socket.socket) -> None:
@@ -390,20 +439,34 @@ class _ThreadingTcp(socketserver.ThreadingTCPServer):
 
 
 class ConnectProxy:
-    """An HTTP CONNECT proxy that tunnels to 127.0.0.1:<routes[host]> and answers 403 for other hosts; with
-    `auth_realm` it answers every request without Proxy-Authorization 407 (Basic realm); a CONNECT to one of
+    """An HTTP proxy: CONNECT tunnels to 127.0.0.1:<routes[host]>, and forwards plain `GET http://host/...` there
+    too; other hosts get 403. With `auth_realm` every request without Proxy-Authorization is answered 407 (Basic
+    realm), and with `credentials` ("user:password") every request whose Proxy-Authorization is not Basic of
+    exactly those; `seen` records (method, target, Proxy-Authorization) of every request. A CONNECT to one of
     `stall_hosts` is read and never answered (its own upstream connection hangs)."""
 
-    def __init__(self, routes: dict[str, int], auth_realm: str = "", stall_hosts: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        routes: dict[str, int],
+        auth_realm: str = "",
+        stall_hosts: tuple[str, ...] = (),
+        credentials: str = "",
+    ) -> None:
         assert_system_test("ConnectProxy (a server or namespace of the test's own)")
         self._server = _ThreadingTcp((LOOPBACK, 0), _ConnectHandler)
         self._server.routes = routes  # type: ignore[attr-defined]
         self._server.auth_realm = auth_realm  # type: ignore[attr-defined]
+        self._server.credentials = credentials  # type: ignore[attr-defined]
+        self._server.seen = []  # type: ignore[attr-defined]
         self._server.stall_hosts = set(stall_hosts)  # type: ignore[attr-defined]
         self._server.stop = threading.Event()  # type: ignore[attr-defined]
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
         self._thread.start()
+
+    @property
+    def seen(self) -> list[tuple[str, str, str]]:
+        return self._server.seen  # type: ignore[attr-defined,no-any-return]
 
     @property
     def url(self) -> str:
@@ -436,6 +499,34 @@ class Netns:
 
     def close(self) -> None:
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+
+
+def made_in_netns(netns_path: str, factory: Callable[[], T]) -> T:
+    """factory() run by a thread that entered the network namespace at `netns_path` (setns(2) moves only the
+    calling thread): the sockets it binds belong to that namespace for good, while their server threads run
+    anywhere. So a test's servers can listen on addresses such as 127.0.0.53:53 in a namespace of its own,
+    whatever this machine's own namespace has there."""
+    made: list[T] = []
+    failed: list[BaseException] = []
+
+    def enter_and_make() -> None:
+        try:
+            fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns {netns_path}")
+            finally:
+                os.close(fd)
+            made.append(factory())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=enter_and_make)
+    thread.start()
+    thread.join(30)
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 @contextlib.contextmanager

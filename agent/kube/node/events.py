@@ -18,7 +18,7 @@ from typing import Any
 from agent.kube.client import Backoff, KubeApi, classify, retry_after, short_error
 from agent.kube.node.policy import MESSAGE_LIMIT, FindingEvent
 from agent.timestamps import rfc3339
-from probes.text import clip, escape
+from probes.text import clip, escape, redact_userinfo
 
 log = logging.getLogger("agent.kube")
 
@@ -67,8 +67,10 @@ class EventQueue:
     def add(self, reason: str, message: str, warning: bool) -> None:
         if len(self._queue) == self._queue.maxlen:
             self.dropped += 1  # the oldest goes: the API has been away for a long while
-        # Every Event the agent makes passes here: escaped (probes/text.py) whatever built its message.
-        self._queue.append(QueuedEvent(reason, clip(escape(message), MESSAGE_LIMIT), warning, self._clock()))
+        # Every Event the agent makes passes here: escaped (probes/text.py) whatever built its message, and with
+        # no URL's userinfo (a proxy password).
+        text = clip(escape(redact_userinfo(message)), MESSAGE_LIMIT)
+        self._queue.append(QueuedEvent(reason, text, warning, self._clock()))
 
     def add_findings(self, events: tuple[FindingEvent, ...]) -> None:
         """One Event per distinct finding event; one that leaves the snapshot and comes back is a new one."""

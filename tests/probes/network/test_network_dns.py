@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +38,11 @@ def run_dns(dns: dict, timeout: float = 8.0, root: Path | None = None) -> tuple[
     started = time.monotonic()
     out = DnsProbe().run(ProbeContext(host, config, timeout))
     elapsed = time.monotonic() - started
-    return [f for f in out if isinstance(f, Finding)], [s for s in out if isinstance(s, Sample)], elapsed
+    # The loopback addresses these tests' resolv.conf files name stand for remote nameservers: the findings
+    # about them as the node's local stubs (test_network_dns_stub.py) are left out here.
+    findings = [f for f in out if isinstance(f, Finding) and not f.subject.startswith("stub:")]
+    samples = [s for s in out if isinstance(s, Sample) and not s.labels["name"].startswith("stub:")]
+    return findings, samples, elapsed
 
 
 def by_subject(findings: list[Finding]) -> dict[str, Finding]:
@@ -183,12 +188,16 @@ def test_a_silent_first_nameserver_costs_what_resolv_conf_says_and_is_named(tmp_
         findings, _, _ = run_dns({"names": ["mirror.test"], "slow_seconds": 0.5}, root=tmp_path)
     (slow,) = findings
     assert (slow.status, slow.reason) == (Status.WARN, "DnsSlow")
-    assert 0.95 <= slow.observed["seconds"] < 1.6, slow.observed
+    assert slow.observed["seconds"] >= 0.95, slow.observed
     assert slow.observed["addresses"] == ["127.0.0.1"]
     assert (slow.observed["silent_nameservers"], slow.observed["answered_by"]) == ([SILENT_NS], ANSWERING_NS)
-    assert f"{SILENT_NS} (1.0 s) did not answer (resolv.conf options timeout:1), {ANSWERING_NS} answered" in (
-        slow.message
+    said = re.search(
+        rf"{re.escape(SILENT_NS)} \((\d+\.\d) s\) did not answer \(resolv.conf options timeout:1\), "
+        rf"{re.escape(ANSWERING_NS)} answered",
+        slow.message,
     )
+    # Measured, so a loaded machine may add to it; the try's own wait (1 s, not the agent's 2 s) bounds it below.
+    assert said is not None and float(said.group(1)) >= 0.95, slow.message
     assert f"nameserver {SILENT_NS} does not answer" in slow.hint and "resolv.conf" in slow.hint
     assert ANSWERING_NS not in slow.hint
 
@@ -200,11 +209,15 @@ def test_resolv_conf_attempts_bound_a_silent_nameserver_as_glibc_does(tmp_path: 
         started.append(SilentUdpPort(SILENT_NS, 53))
         (tmp_path / "etc").mkdir()
         (tmp_path / "etc" / "resolv.conf").write_text(f"nameserver {SILENT_NS}\noptions timeout:1 attempts:2\n")
-        findings, _, elapsed = run_dns({"names": ["mirror.test"], "lifetime_seconds": 4.0}, root=tmp_path)
+        findings, _, _ = run_dns({"names": ["mirror.test"], "lifetime_seconds": 7.0}, timeout=10.0, root=tmp_path)
     (failed,) = findings
     assert (failed.status, failed.reason, failed.observed["error"]) == (Status.FAIL, "DnsFailed", "timeout")
-    assert 1.9 <= failed.observed["seconds"] < 2.6 and elapsed < 3.0  # two tries of 1 s, as glibc gives up
-    assert f"no answer from {SILENT_NS} (2.0 s)" in failed.message and "attempts" not in failed.hint
+    # Two tries of 1 s, then glibc gives up: well before the 7 s lifetime, however loaded the machine (a
+    # lifetime-bound lookup would have run 7 s). The waits are measured, so only their lower bound is exact.
+    assert 1.9 <= failed.observed["seconds"] < 6.0
+    waited = re.search(rf"no answer from {re.escape(SILENT_NS)} \((\d+\.\d) s\)", failed.message)
+    assert waited is not None and float(waited.group(1)) >= 1.9, failed.message
+    assert "(the tries resolv.conf's options allow)" in failed.message and "attempts" not in failed.hint
 
 
 def test_resolv_conf_options_and_glibcs_wait_per_nameserver() -> None:
