@@ -45,12 +45,20 @@ class HttpConfig(Section):
     # /metrics and /status on `port` too, as before 0.3 (scrape configs and dashboards that name 9100). The
     # network-policy component turns it off (env NODE_HEALTH_HTTP_STATUS_ON_MAIN_PORT, docs/http.md).
     status_on_main_port: bool = True
+    # /healthz and /started alone, for the kubelet's probes (the DaemonSet's port `health`), on a connection pool of
+    # their own with slots kept for the node's own addresses, so the probes get in whatever pods hold on the other
+    # ports (docs/http.md, The kubelet's probes); 0: no health port.
+    health_port: int = Field(9102, ge=0, le=65535)
     max_wait_seconds: PositiveSeconds = 300.0
 
     @model_validator(mode="after")
     def _ports(self) -> HttpConfig:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"http.metrics_port: {self.metrics_port} is http.port too; give it a port of its own")
+        if self.health_port and self.health_port in (self.port, self.metrics_port):
+            raise ValueError(
+                f"http.health_port: {self.health_port} is http.port or http.metrics_port too; give it a port of its own"
+            )
         if not self.status_on_main_port and not self.metrics_port:
             raise ValueError(
                 "http.status_on_main_port: false needs http.metrics_port (not 0), else no port serves /metrics and "
