@@ -24,6 +24,7 @@ from agent.configfile import ERROR_MESSAGE_CHARS, ConfigFileError, excerpt, pars
 from probes import all_families
 from probes.base import CATEGORIES, COMMON_REASONS
 from probes.family import PositiveSeconds, Section, family_settings
+from probes.npu.public_faults import DEFAULT_PUBLIC_FAULT_CODES
 from probes.text import clip
 
 SectionT = TypeVar("SectionT", bound=Section)
@@ -45,12 +46,20 @@ class HttpConfig(Section):
     # /metrics and /status on `port` too, as before 0.3 (scrape configs and dashboards that name 9100). The
     # network-policy component turns it off (env NODE_HEALTH_HTTP_STATUS_ON_MAIN_PORT, docs/http.md).
     status_on_main_port: bool = True
+    # /healthz and /started alone, for the kubelet's probes (the DaemonSet's port `health`), on a connection pool of
+    # their own with slots kept for the node's own addresses, so the probes get in whatever pods hold on the other
+    # ports (docs/http.md, The kubelet's probes); 0: no health port.
+    health_port: int = Field(9102, ge=0, le=65535)
     max_wait_seconds: PositiveSeconds = 300.0
 
     @model_validator(mode="after")
     def _ports(self) -> HttpConfig:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"http.metrics_port: {self.metrics_port} is http.port too; give it a port of its own")
+        if self.health_port and self.health_port in (self.port, self.metrics_port):
+            raise ValueError(
+                f"http.health_port: {self.health_port} is http.port or http.metrics_port too; give it a port of its own"
+            )
         if not self.status_on_main_port and not self.metrics_port:
             raise ValueError(
                 "http.status_on_main_port: false needs http.metrics_port (not 0), else no port serves /metrics and "
@@ -112,36 +121,6 @@ def status_on_main_port(http: HttpConfig, environ: dict[str, str] | None = None)
 RESERVED_KEY_PREFIXES = ("kubernetes.io", "k8s.io")
 
 
-# Fault codes (9 digits, registered in ClusterD's publicCustomization.json) of the per-chip NPU problems.
-DEFAULT_PUBLIC_FAULT_CODES = {
-    "NpuHeldOutOfBand": "160010001",
-    "NpuSharedByPods": "160010002",
-    "NpuHbmLeaked": "160010003",
-    "NpuHbmLow": "160010004",
-    "NpuHealthWarning": "160010005",
-    "NpuHealthAlarm": "160010006",
-    "NpuHealthCritical": "160010007",
-    "NpuMissing": "160010008",
-    "PcieFatalErrors": "160010009",
-    "PcieNonFatalErrors": "160010010",
-    "PcieCorrectableBurst": "160010011",
-    "PcieLinkDegraded": "160010012",
-    # The chip's RoCE port (npu.roce): HCCL over it hangs until its timeout.
-    "NpuLinkDown": "160010013",
-    "NpuLinkFlapping": "160010014",
-    "NpuNetUnhealthy": "160010015",
-    "NpuOpticalAbsent": "160010016",
-    "NpuOpticalSignalLost": "160010017",
-    "NpuOpticalPower": "160010018",
-    "NpuOpticalHot": "160010019",
-    "NpuAddressMissing": "160010020",
-    "NpuAddressMismatch": "160010021",
-    # Huawei's own grading (npu.grade) and HBM ECC (npu.ecc).
-    "NpuFaultSeparate": "160010022",
-    "NpuFaultReset": "160010023",
-    "NpuEccDoubleBit": "160010024",
-    "NpuEccPendingPages": "160010025",
-}
 FaultCode = Annotated[str, Field(pattern=r"^[0-9]{9}$")]
 
 

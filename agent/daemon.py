@@ -14,6 +14,7 @@ from typing import Any
 from agent.config import Config, ConfigError, load_config_tolerant, status_on_main_port
 from agent.configcompat import ConfigNotes
 from agent.configfile import ConfigFileError, read_bounded
+from agent.http.addresses import NodeAddresses
 from agent.http.pod import PodLedger
 from agent.http.routes import HttpServer
 from agent.kube.pods import PodFeed
@@ -136,6 +137,8 @@ class Agent:
             metrics_port=config.http.metrics_port or None,
             status_on_main_port=status_on_main_port(config.http),
             pod_ledger=self.pod_ledger,
+            health_port=config.http.health_port or None,
+            node_addresses=NodeAddresses(config.section(HostConfig).proc),
         )
         self.metrics.collector.add_source(self.http.samples)
         self._stop = threading.Event()
@@ -218,6 +221,10 @@ class Agent:
         if self.http.metrics_port is not None:
             routes = ", ".join(self.http.metrics_routes)
             log.info("serving on %s:%d %s", self.config.http.address, self.http.metrics_port, routes)
+        if self.http.health_port is not None:
+            routes = ", ".join(self.http.health.routes)
+            address, port = self.config.http.address, self.http.health_port
+            log.info("serving on %s:%d %s (the kubelet's probes)", address, port, routes)
         self._log_cpu()
         self.scheduler.start()
         if self.config.kubernetes.enabled and not self.no_kube:
@@ -273,7 +280,7 @@ class Agent:
             self.last_reload_error = str(exc)
             log.error("config reload (%s) rejected, keeping the running config: %s", why, exc)
             return False
-        listeners = ("address", "port", "metrics_port", "status_on_main_port")
+        listeners = ("address", "port", "metrics_port", "status_on_main_port", "health_port")
         changed = [key for key in listeners if getattr(config.http, key) != getattr(self.config.http, key)]
         if changed:
             log.warning("%s changed: takes effect at the next restart", ", ".join(f"http.{key}" for key in changed))

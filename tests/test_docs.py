@@ -215,7 +215,8 @@ def test_error_answers_are_json_unless_ready_was_asked_for_text() -> None:
 def test_every_default_public_fault_code_is_documented_and_registered() -> None:
     """docs/kubernetes.md's publicCustomization.json example registers every default code once, and its table gives
     each reason its code (a row `A \N{EN DASH} B` or `A, B` pairs the codes with its reasons in order)."""
-    from agent.config import DEFAULT_PUBLIC_FAULT_CODES, PublicFaultConfig
+    from agent.config import PublicFaultConfig
+    from probes.npu.public_faults import DEFAULT_PUBLIC_FAULT_CODES
 
     text = (DOCS / "kubernetes.md").read_text()
     blocks = [block.split("```", 1)[0] for block in text.split("```json\n")[1:]]

@@ -44,12 +44,22 @@ def default_backlog(fd_limit: int | None = None) -> int:
 # two, and its queue is part of the fd budget too.
 SECONDARY_BACKLOG = 64
 
+# The health port (http.health_port): /healthz and /started for the kubelet's probes, on a pool of its own
+# (`health_limits`), so that no client of the other ports can take the slots the probes need. The kubelet probes
+# without keep-alive, one connection per probe at a time (liveness and readiness: two): a few slots are plenty.
+HEALTH_CONNECTIONS = 64
+HEALTH_NODE_RESERVE = 16
+HEALTH_LOCAL_RESERVE = 8
+# What the health port takes of the fd budget: its slots and its listen queue.
+HEALTH_FDS = HEALTH_CONNECTIONS + HEALTH_NODE_RESERVE + HEALTH_LOCAL_RESERVE + SECONDARY_BACKLOG
+
 
 def default_max_connections(fd_limit: int | None = None) -> int:
-    """At most MAX_CONNECTIONS, and always below the fd limit, the listen queues of both ports included:
-    accept() failing with EMFILE would stop all answers."""
+    """At most MAX_CONNECTIONS, and always below the fd limit, the listen queues of every port and the health
+    port's own slots included: accept() failing with EMFILE would stop all answers."""
     fd_limit = _fd_limit() if fd_limit is None else fd_limit
-    return max(16, min(MAX_CONNECTIONS, fd_limit - FD_RESERVE - default_backlog(fd_limit) - SECONDARY_BACKLOG))
+    budget = fd_limit - FD_RESERVE - default_backlog(fd_limit) - SECONDARY_BACKLOG - HEALTH_FDS
+    return max(16, min(MAX_CONNECTIONS, budget))
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,9 @@ class Limits:
     local_reserve: int = 32
     # The last slots below max_connections go only to peers that hold no connection yet.
     new_peer_reserve: int = 64
+    # Slots of their own for the node's own addresses (the kubelet's probes; agent/http/addresses.py), beyond
+    # max_connections and not held to max_per_peer; 0: the node is a peer like any other. The health port's.
+    node_reserve: int = 0
     head_timeout: float = 10.0  # from connecting (or the first byte of a later request) to a complete head
     idle_timeout: float = 75.0  # keep-alive between requests
     send_timeout: float = 10.0  # answers left unread this long: the connection is dropped
@@ -84,14 +97,35 @@ class Limits:
             raise ValueError(f"max_buffered must hold a whole request head ({MAX_HEAD_BYTES} bytes)")
 
 
-def worst_case_bytes(limits: Limits, listeners: int = 2) -> int:
+def health_limits() -> Limits:
+    """The health port's pool: small, its own, with slots kept for the node's addresses; short deadlines (the
+    kubelet sends its request at once and closes after the answer: its timeoutSeconds is 5 s)."""
+    return Limits(
+        max_connections=HEALTH_CONNECTIONS,
+        max_per_peer=4,
+        local_reserve=HEALTH_LOCAL_RESERVE,
+        new_peer_reserve=16,
+        node_reserve=HEALTH_NODE_RESERVE,
+        head_timeout=5.0,
+        idle_timeout=5.0,
+        send_timeout=5.0,
+        backlog=SECONDARY_BACKLOG,
+    )
+
+
+def worst_case_bytes(limits: Limits, listeners: int = 2, health: Limits | None = None) -> int:
     """The most memory clients can make the server hold, the kernel's socket buffers (charged to the pod's
-    memory cgroup) included: every connection slot (one budget for every port) with a full input buffer, one
-    answer chunk unsent, and both kernel buffers full (the kernel doubles SO_RCVBUF and SO_SNDBUF for its
-    bookkeeping), plus full listen backlogs of connections the kernel accepted and the loop has not: the main
-    port's and `listeners - 1` further ones (the metrics port)."""
-    slots = limits.max_connections + limits.local_reserve
+    memory cgroup) included: every connection slot (one budget for the main and metrics ports, and the health
+    port's pool when given) with a full input buffer, one answer chunk unsent, and both kernel buffers full (the
+    kernel doubles SO_RCVBUF and SO_SNDBUF for its bookkeeping), plus full listen backlogs of connections the
+    kernel accepted and the loop has not: the main port's, `listeners - 1` further ones (the metrics port) and
+    the health port's."""
+    total = _pool_bytes(limits, limits.backlog + max(0, listeners - 1) * limits.secondary_backlog)
+    return total + (_pool_bytes(health, health.backlog) if health is not None else 0)
+
+
+def _pool_bytes(limits: Limits, queued: int) -> int:
+    slots = limits.max_connections + limits.local_reserve + limits.node_reserve
     user = limits.max_buffered + WRITE_CHUNK + CONNECTION_OVERHEAD
     kernel = 2 * (limits.receive_buffer + limits.send_buffer)
-    queued = limits.backlog + max(0, listeners - 1) * limits.secondary_backlog
     return slots * (user + kernel) + queued * 2 * limits.receive_buffer

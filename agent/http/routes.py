@@ -12,6 +12,10 @@ Ports: `port` serves /ready, /preflight.sh, /healthz and /started, and /metrics 
 /status to monitoring only. Both ports are listeners of one HttpServerCore: one connection budget, one loop. A
 metrics port that cannot be bound is logged and left out (`metrics_port_error`): the pre-flight port never goes
 down for it.
+
+`health_port` (None: none) serves only /healthz and /started, for the kubelet's probes, on an HttpServerCore of its
+own on the same loop: its own small pool (`health_limits`), with slots only the node's own addresses can take
+(`agent.http.addresses`), so whatever the pods hold on the other ports, or on this one, the probes get in.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from agent.http.addresses import NodeAddresses
 from agent.http.answers import METRICS_TYPE as METRICS_TYPE
 from agent.http.answers import TEXT_LINE_MAX as TEXT_LINE_MAX
 from agent.http.answers import TEXT_REASONS_MAX as TEXT_REASONS_MAX
 from agent.http.answers import Scope, error_answer, json_answer, ready_body, ready_response
 from agent.http.answers import ready_text as ready_text
+from agent.http.limits import health_limits
 from agent.http.pod import LEDGER_WAIT_SECONDS, PodDevices, PodLedger, unavailable
 from agent.http.server import MAX_QUERY_FIELDS, Handler, HttpServerCore, Limits, Request, Response
 from agent.ready import BadQuery, ReadyQuery, judge, parse_ready_query, prefers_text, wants_text
@@ -64,6 +70,8 @@ class HttpServer:
         metrics_port: int | None = None,
         status_on_main_port: bool = True,
         pod_ledger: PodLedger | None = None,
+        health_port: int | None = None,
+        node_addresses: NodeAddresses | None = None,
     ) -> None:
         self._state = state
         self._render_metrics = render_metrics
@@ -83,6 +91,10 @@ class HttpServer:
         main = {"/ready": self._ready, "/preflight.sh": self._preflight, **common}
         self.core = HttpServerCore({**main, **(status if status_on_main_port else {})}, limits)
         self.metrics_routes: dict[str, Handler] = {**status, **common}
+        self.health_port = health_port
+        self.health_port_error = ""
+        self.node_addresses = node_addresses or NodeAddresses()
+        self.health = HttpServerCore(common, health_limits(), self.node_addresses.is_node)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future[None] | None = None
         self._ledger_refresh: asyncio.Future[None] | None = None
@@ -112,11 +124,12 @@ class HttpServer:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        future = asyncio.run_coroutine_threadsafe(self.core.close(), loop)
-        try:
-            future.result(timeout)
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
+        for core in (self.core, self.health):
+            future = asyncio.run_coroutine_threadsafe(core.close(), loop)
+            try:
+                future.result(timeout)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
         try:
             loop.call_soon_threadsafe(loop.stop)
         except RuntimeError:  # closed meanwhile
@@ -144,6 +157,14 @@ class HttpServer:
                 self.metrics_port_error = f"{self.address}:{self.metrics_port}: {exc.strerror or exc}"
                 log.error("cannot serve the metrics port (/metrics, /status): %s", self.metrics_port_error)
                 self.metrics_port = None
+        if self.health_port is not None:
+            self.node_addresses.refresh()
+            try:
+                self.health_port = loop.run_until_complete(self.health.listen(self.address, self.health_port))
+            except OSError as exc:
+                self.health_port_error = f"{self.address}:{self.health_port}: {exc.strerror or exc}"
+                log.error("cannot serve the health port (/healthz, /started): %s", self.health_port_error)
+                self.health_port = None
         self._started_event.set()
         try:
             loop.run_forever()
@@ -168,14 +189,16 @@ class HttpServer:
 
     def stats(self) -> dict[str, int]:
         """Connection figures, for /status and /metrics; read on the server's loop (handlers run there)."""
-        core = self.core
+        core, health = self.core, self.health
         return {
-            "connections": len(core.connections),
-            "peers": len(core.per_peer),
-            "refused_total": core.refused,
+            "connections": len(core.connections) + len(health.connections),
+            "health_connections": len(health.connections),
+            "node_connections": health.node_held,
+            "peers": len(core.per_peer.keys() | health.per_peer.keys()),
+            "refused_total": core.refused + health.refused,
             "long_polls": self.long_polls,
             "tasks": len(asyncio.all_tasks(self._loop)) if self._loop is not None else 0,
-            "unsent_bytes": sum(connection.unsent_bytes() for connection in core.connections),
+            "unsent_bytes": sum(c.unsent_bytes() for c in core.connections | health.connections),
         }
 
     def listening(self) -> dict[str, Any]:
@@ -183,9 +206,13 @@ class HttpServer:
         ports = [{"port": self.port, "routes": list(self.main_routes)}]
         if self.metrics_port is not None:
             ports.append({"port": self.metrics_port, "routes": list(self.metrics_routes)})
+        if self.health_port is not None:
+            ports.append({"port": self.health_port, "routes": list(self.health.routes)})
         out: dict[str, Any] = {"ports": ports}
         if self.metrics_port_error:
             out["metrics_port_error"] = self.metrics_port_error
+        if self.health_port_error:
+            out["health_port_error"] = self.health_port_error
         return out
 
     def stats_from_thread(self, timeout: float = 10.0) -> dict[str, int]:

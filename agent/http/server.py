@@ -10,7 +10,8 @@ Scope, deliberately: GET and HEAD; no request bodies (a GET carries none; anythi
 keep-alive and pipelining.
 
 The port is reachable by every pod of the cluster, so every cost a client can cause is bounded (`Limits`):
-connections in all and per peer address (with a reserve so the node itself and new peers still get in),
+connections in all and per peer address (with a reserve so the node itself and new peers still get in, and, on
+the health port's core, slots that only the node's own addresses can take: the kubelet's probes),
 the time to send a request head, the time a client may leave its answers unread, one pipelined request per
 connection per loop turn (so one client cannot starve the others), and the memory a connection can pin:
 reads land in one shared buffer, at most what the connection may still hold (`max_buffered`, so asyncio never
@@ -58,6 +59,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self.peer = ""
         self.admitted = False
+        self.node = False  # from one of the node's own addresses, in the node reserve (Limits.node_reserve)
         self._buffer = b""
         self._pos = 0  # start of the unparsed input in _buffer
         self._scanned = 0  # _buffer[_pos:_scanned] is known to hold no complete head
@@ -371,11 +373,17 @@ class HttpServerCore:
     It may listen on several ports (`listen` once per port), each with its own routes: every connection, on
     whichever port, counts against the one set of limits and shares the one read buffer."""
 
-    def __init__(self, routes: dict[str, Handler], limits: Limits | None = None) -> None:
+    def __init__(
+        self, routes: dict[str, Handler], limits: Limits | None = None, is_node: Callable[[str], bool] | None = None
+    ) -> None:
         self.routes = routes  # what `listen` serves unless it is given others
         self.limits = limits or Limits()
+        # Whether a peer address is one of the node's own (agent/http/addresses.py): its connections go to the node
+        # reserve, where the limits keep one (`node_reserve`).
+        self.is_node: Callable[[str], bool] = is_node or (lambda _peer: False)
         self.connections: set[_Connection] = set()
         self.per_peer: dict[str, int] = {}
+        self.node_held = 0
         self.refused = 0
         # Every connection reads into this, then keeps only what it has not answered yet (see get_buffer).
         self.scratch = memoryview(bytearray(self.limits.max_buffered))
@@ -390,10 +398,14 @@ class HttpServerCore:
 
     def admit(self, connection: _Connection, local: str) -> str | None:
         """Take a new connection into account, or say why it is refused."""
-        limits, total, peer = self.limits, len(self.connections), connection.peer
+        limits, peer = self.limits, connection.peer
+        total = len(self.connections) - self.node_held  # the node reserve is apart from every other slot
         held = self.per_peer.get(peer, 0)
         if is_local_peer(peer, local):
             refusal = None if total < limits.max_connections + limits.local_reserve else "too many connections"
+        elif limits.node_reserve and self.is_node(peer):
+            connection.node = self.node_held < limits.node_reserve
+            refusal = None if connection.node else "too many connections from the node's own addresses"
         elif held >= limits.max_per_peer:
             refusal = f"too many connections from {peer} (at most {limits.max_per_peer})"
         elif total >= limits.max_connections:
@@ -408,6 +420,7 @@ class HttpServerCore:
         connection.admitted = True
         self.connections.add(connection)
         self.per_peer[peer] = held + 1
+        self.node_held += connection.node
         return None
 
     def forget(self, connection: _Connection) -> None:
@@ -415,6 +428,7 @@ class HttpServerCore:
             return
         connection.admitted = False
         self.connections.discard(connection)
+        self.node_held -= connection.node
         held = self.per_peer.get(connection.peer, 0) - 1
         if held > 0:
             self.per_peer[connection.peer] = held

@@ -12,6 +12,7 @@ Huawei's fault grading and HBM ECC.
   its judgements and samples; `link_window`: the link-flap window kept across restarts.
 - `grade`: the npu.grade probe (error codes graded by faultCode.json or `fault_codes`' built-in table).
 - `ecc`: the npu.ecc probe (HBM ECC per chip) and its parser.
+- `public_faults`: the MindCluster public-fault code of each per-chip reason (the agent's default table).
 - `chipmap`: the chips the per-chip probes read and the identity their findings carry; `chip_reasons`: the
   checks and reasons of npu.roce, npu.grade and npu.ecc.
 """

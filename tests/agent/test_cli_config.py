@@ -87,6 +87,7 @@ def test_defaults_print_valid_yaml_that_round_trips() -> None:
         "port": 9100,
         "metrics_port": 9101,
         "status_on_main_port": True,
+        "health_port": 9102,
         "max_wait_seconds": 300.0,
     }
 

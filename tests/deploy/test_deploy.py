@@ -160,6 +160,7 @@ def test_daemonset_has_what_the_agent_needs() -> None:
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"  # the health port's node reserve
 
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["ports"][0]["containerPort"] == 9100

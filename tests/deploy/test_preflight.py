@@ -452,9 +452,10 @@ PORT_OVERRIDE = """patches:
 def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path) -> None:
     assert all("hostPort" not in port for port in agent_ports(rendered(REPO / "deploy"))), "opt-in only"
     docs = rendered(overlay(tmp_path / "host-port", [HOST_PORT_COMPONENT]))
-    port, metrics = agent_ports(docs)
+    port, *others = agent_ports(docs)
     assert (port["name"], port["containerPort"], port["hostPort"], port["protocol"]) == ("http", 9100, 9123, "TCP")
-    assert metrics["name"] == "metrics" and "hostPort" not in metrics, "only the pre-flight port on the node's IP"
+    assert [o["name"] for o in others] == ["metrics", "health"]
+    assert all("hostPort" not in o for o in others), "only the pre-flight port on the node's IP"
     assert port["hostPort"] != 9100, "node-exporter holds host port 9100 on most nodes"
     daemonset = by_kind(docs, "DaemonSet")
     assert "maxSurge" not in daemonset["spec"]["updateStrategy"].get("rollingUpdate", {}), "two pods, one port"
@@ -470,6 +471,6 @@ def test_host_port_component_serves_the_agent_on_the_node_address(tmp_path: Path
 @pytest.mark.system
 def test_host_port_is_changed_by_a_patch_after_the_component(tmp_path: Path) -> None:
     docs = rendered(overlay(tmp_path / "other-port", [HOST_PORT_COMPONENT], PORT_OVERRIDE))
-    port, _metrics = agent_ports(docs)
+    port, *_others = agent_ports(docs)
     assert (port["containerPort"], port["hostPort"]) == (9100, 9200)
     assert PORT_OVERRIDE in (REPO / "docs" / "preflight.md").read_text()

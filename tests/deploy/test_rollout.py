@@ -131,9 +131,10 @@ def test_rollout_waits_for_each_new_pod_to_stay_ready(render: list[dict[str, Any
     assert daemonset["spec"]["minReadySeconds"] >= 30
     assert daemonset["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
     container = agent_container(daemonset)
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # On the health port, whose pool pods cannot starve (docs/http.md, The kubelet's probes).
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     # Ready once every probe has finished (or timed out in) its first run (docs/http.md, /started).
-    assert container["readinessProbe"]["httpGet"] == {"path": "/started", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/started", "port": "health"}
 
 
 # --- mounts ----------------------------------------------------------------------------------------------------
@@ -246,10 +247,11 @@ def test_network_policy_opens_the_preflight_to_all_and_metrics_to_monitoring(tmp
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert policy["spec"]["policyTypes"] == ["Ingress"], "egress (API server, DNS, NTP, probes) stays open"
     ports = {p["name"]: p["containerPort"] for p in agent_container(daemonset)["ports"]}
-    assert ports == {"http": 9100, "metrics": 9101}
+    assert ports == {"http": 9100, "metrics": 9101, "health": 9102}
     rules = {rule["ports"][0]["port"]: rule for rule in policy["spec"]["ingress"]}
     assert set(rules) == set(ports)
     assert "from" not in rules["http"], "/ready and /healthz from everywhere"
+    assert "from" not in rules["health"], "the kubelet's probes, from the node, whatever the implementation"
     (source,) = rules["metrics"]["from"]
     assert source == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     # The component turns /metrics and /status off on the port it opens to everyone.
@@ -330,23 +332,24 @@ def test_the_ports_the_manifests_name_are_the_ones_the_agent_opens(tmp_path: Pat
     container = agent_container(daemonset)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     config = parse_config(shipped_config(docs), all_probes())
-    assert ports == {"http": config.http.port, "metrics": config.http.metrics_port}
+    assert ports == {"http": config.http.port, "metrics": config.http.metrics_port, "health": config.http.health_port}
     monitor = yaml.safe_load((DEPLOY / "prometheus" / "podmonitor.yaml").read_text())
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     (service,) = by_kind(docs, "Service")
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
-    assert container["readinessProbe"]["httpGet"]["port"] == container["livenessProbe"]["httpGet"]["port"] == "http"
+    assert container["readinessProbe"]["httpGet"]["port"] == container["livenessProbe"]["httpGet"]["port"] == "health"
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     served = served_by_ports(tmp_path, shipped_config(docs)["http"], env, list(ports.values()))
-    main, metrics = served[ports["http"]], served[ports["metrics"]]
+    main, metrics, health = served[ports["http"]], served[ports["metrics"]], served[ports["health"]]
     assert metrics == {"/ready": 404, "/healthz": 200, "/started": 200, "/metrics": 200, "/status": 200}
+    assert health == {"/ready": 404, "/healthz": 200, "/started": 200, "/metrics": 404, "/status": 404}
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
     assert (main["/ready"], main["/healthz"], main["/started"]) == (200, 200, 200)
     assert (main["/metrics"], main["/status"]) == ((404, 404) if policy else (200, 200))
     if policy:
         (network_policy,) = by_kind(docs, "NetworkPolicy")
         everyone = [r["ports"][0]["port"] for r in network_policy["spec"]["ingress"] if "from" not in r]
-        assert everyone == ["http"] and all(served[ports[name]]["/status"] == 404 for name in everyone)
+        assert everyone == ["http", "health"] and all(served[ports[name]]["/status"] == 404 for name in everyone)
 
 
 # --- the release the manifests name ----------------------------------------------------------------------------

@@ -58,13 +58,15 @@ def test_every_limit_in_the_docs_is_the_code_default() -> None:
 
 @pytest.mark.parametrize(
     ("soft", "connections", "backlog"),
-    [(1 << 20, 1024, 1024), (20000, 1024, 1024), (1500, 869, 311), (1024, 512, 192), (300, 16, 64)],
+    [(1 << 20, 1024, 1024), (20000, 1024, 1024), (1500, 717, 311), (1024, 360, 192), (300, 16, 64)],
 )
 def test_the_fd_derived_limits_follow_the_stated_formula(soft: int, connections: int, backlog: int) -> None:
-    """Both ports' listen queues come out of the fd budget: the main port's and the metrics port's."""
+    """Every port's listen queue comes out of the fd budget (the main, metrics and health ports'), and so do the
+    health port's own slots."""
     assert limits.default_backlog(soft) == backlog == max(64, min(1024, (soft - FD_RESERVE) // 4))
     assert limits.default_max_connections(soft) == connections
-    assert connections == max(16, min(MAX_CONNECTIONS, soft - FD_RESERVE - backlog - limits.SECONDARY_BACKLOG))
+    budget = soft - FD_RESERVE - backlog - limits.SECONDARY_BACKLOG - limits.HEALTH_FDS
+    assert connections == max(16, min(MAX_CONNECTIONS, budget))
 
 
 def test_the_fd_derived_limits_in_force_here() -> None:

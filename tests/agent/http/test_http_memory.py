@@ -116,10 +116,11 @@ def test_a_burst_of_pipelined_requests_on_every_connection_keeps_rss_under_128_m
 
 def test_the_sum_in_the_docs_fits_the_memory_limit() -> None:
     """docs/http.md adds up the worst case from the code's limits; it must fit the DaemonSet's limit with room."""
-    from agent.http.limits import MAX_CONNECTIONS, Limits, worst_case_bytes
+    from agent.http.limits import MAX_CONNECTIONS, Limits, health_limits, worst_case_bytes
 
     limit = 256 * MIB
-    worst = worst_case_bytes(Limits(max_connections=MAX_CONNECTIONS, backlog=1024))  # the ceilings
+    # The ceilings, the health port's pool included.
+    worst = worst_case_bytes(Limits(max_connections=MAX_CONNECTIONS, backlog=1024), health=health_limits())
     text = (REPO / "docs" / "http.md").read_text()
     assert f"{worst / MIB:.0f} MiB" in text
     assert worst < limit / 2, f"{worst / MIB:.0f} MiB of a {limit / MIB:.0f} MiB limit"

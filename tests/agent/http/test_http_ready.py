@@ -531,7 +531,17 @@ def test_status_is_serialized_once_per_snapshot_and_shows_the_http_figures() -> 
         assert 1 <= len(extra_calls) <= 2 + elapsed
         assert 1 <= renderer.renders <= 2 + elapsed
         figures = body["http"]
-        assert set(figures) == {"connections", "peers", "refused_total", "long_polls", "tasks", "unsent_bytes", "ports"}
+        assert set(figures) == {
+            "connections",
+            "health_connections",
+            "node_connections",
+            "peers",
+            "refused_total",
+            "long_polls",
+            "tasks",
+            "unsent_bytes",
+            "ports",
+        }
         assert figures["ports"] == [
             {"port": server.port, "routes": ["/ready", "/preflight.sh", "/healthz", "/started", "/metrics", "/status"]}
         ]
