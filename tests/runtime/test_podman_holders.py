@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import pytest
 from support.fake_npu_smi import FakeSmi, context, make_dev, run_probe, table
 from support.pod_cgroups import idle_devices
 from support.podman_containers import Container, busybox_rootfs, holds_fd, podman_container
+from support.processes import free_port
 from support.system import require, require_tool
 
 from agent.config import parse_config
@@ -94,12 +94,6 @@ def test_gpu_held_by_a_podman_container_is_stopped_with_podman(tmp_path: Path, r
     assert f"podman stop {container.short_id}" in gpu0["hint"] and f"kill {container.pid}" not in gpu0["hint"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     """A LISTEN socket on the port in the host's table (a probe connection would end busybox nc)."""
     wanted = f":{port:04X} "
@@ -108,7 +102,7 @@ def _listening(port: int) -> bool:
 
 
 def test_hccl_port_held_by_a_podman_container_is_stopped_with_podman(rootfs: Path) -> None:
-    port = _free_port()
+    port = free_port()
     script = f"exec nc -l -p {port}"
     with podman_container(rootfs, script, "--network=host", ready=lambda _c: _listening(port)) as container:
         _podman_owner(container)

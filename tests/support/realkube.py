@@ -21,7 +21,6 @@ import contextlib
 import importlib.util
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -37,6 +36,7 @@ import kubernetes.client
 from agent.config import parse_config
 from agent.kube.client import KubeApi, load_api_client
 from support import system
+from support.processes import free_port
 
 ADMIN_TOKEN = "node-health-realkube-admin"
 RELEASES = ("1.37", "1.36")
@@ -62,12 +62,6 @@ def require_binaries(release: str) -> Path:
     system.require(found is not None, f"a {release} control plane (python3 scripts/control_plane.py {release})")
     assert found is not None
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def gates(release: str, taint_rules: bool) -> str:
@@ -225,8 +219,8 @@ class Plane:
 
     def start(self) -> None:
         self._keys()
-        etcd_port, peer_port = _free_port(), _free_port()
-        self.port = _free_port()
+        etcd_port, peer_port = free_port(), free_port()
+        self.port = free_port()
         self._spawn(
             "etcd",
             [

@@ -21,15 +21,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support.processes import free_port
 from support.system import REPO
 
 pytestmark = pytest.mark.system
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def status_of(port: int, path: str, timeout: float = 5.0) -> int:

@@ -243,6 +243,7 @@ def test_cli_check_reports_a_hung_mount_in_bounded_time(tmp_path: Path) -> None:
             )
         elapsed = time.monotonic() - started
     assert done.returncode == 1, (tmp_path / "err").read_text()
+    assert (tmp_path / "out").read_bytes(), (tmp_path / "err").read_text()  # 1 is also Python's uncaught exception
     document = json.loads((tmp_path / "out").read_text())
     (finding,) = [f for f in document["findings"] if f["check"] == "storage.mounts"]
     assert (finding["status"], finding["reason"], finding["subject"]) == ("fail", "MountHung", str(mount.path))
