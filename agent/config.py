@@ -214,6 +214,18 @@ class KubernetesConfig(Section):
             raise ValueError(f"{reserved} and its subdomains are reserved for Kubernetes' own labels and taints")
         return value
 
+    @field_validator("events_namespace")
+    @classmethod
+    def _node_events_namespace(cls, value: str) -> str:
+        if value != "default":
+            # kube-apiserver refuses an Event for a cluster-scoped object anywhere else (422: involvedObject.namespace
+            # does not match event.namespace): every Event would be lost.
+            raise ValueError(
+                "must be default: the API server accepts Events for a Node (cluster-scoped) only in the namespace "
+                "default"
+            )
+        return value
+
     @field_validator("default_effect", "effects")
     @classmethod
     def _noexecute_allowed(cls, value: Any, info: ValidationInfo) -> Any:

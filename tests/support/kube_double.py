@@ -706,6 +706,8 @@ class _Handler(BaseHTTPRequestHandler):
             "reason": exc.reason,
             "code": exc.code,
         }
+        if not exc.reason:
+            del body["reason"]  # as kube-apiserver's answer to a patch it cannot apply (500, no reason)
         self._send(exc.code, body, headers)
 
     def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:

@@ -55,13 +55,14 @@ def strategic_merge(original: Any, patch: Any, path: tuple[str, ...] = ()) -> An
     result = copy.deepcopy(original)
     for key, value in patch.items():
         if key.startswith("$"):
-            continue  # $setElementOrder/..., $retainKeys: ordering hints, not needed here
+            continue  # $setElementOrder/<list> is read with its list; $retainKeys is not needed here
         if value is None:
             result.pop(key, None)
             continue
         sub = (*path, key)
         if isinstance(value, list) and sub in MERGE_KEYS:
-            result[key] = _merge_list(result.get(key) or [], value, MERGE_KEYS[sub], sub)
+            order = patch.get(f"$setElementOrder/{key}")
+            result[key] = _merge_list(result.get(key) or [], value, MERGE_KEYS[sub], sub, order)
         elif isinstance(value, dict):
             if value.get("$patch") == "delete":
                 result.pop(key, None)
@@ -73,22 +74,38 @@ def strategic_merge(original: Any, patch: Any, path: tuple[str, ...] = ()) -> An
     return result
 
 
-def _merge_list(original: list[Any], patch: list[Any], merge_key: str, path: tuple[str, ...]) -> list[Any]:
+def _merge_list(
+    original: list[Any], patch: list[Any], merge_key: str, path: tuple[str, ...], order: Any = None
+) -> list[Any]:
+    """kube-apiserver's merge of a keyed list: patched items merged into theirs, deleted ones dropped, then the
+    patch's items (in `$setElementOrder` order where given, else the patch's) and the server-only items merged as
+    two sorted runs: an item the server had goes by its old position, a new one goes before the server's next."""
     if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
         return [_strip_directives(i) for i in patch if not (isinstance(i, dict) and i.get("$patch") == "replace")]
-    result = copy.deepcopy(original)
+    items = {e.get(merge_key): copy.deepcopy(e) for e in original if isinstance(e, dict)}
+    position = {key: n for n, key in enumerate(items)}
+    patched: list[Any] = []
     for item in patch:
         if not isinstance(item, dict) or merge_key not in item:
             raise ApiError(422, "Invalid", f"{'.'.join(path)}: list item without merge key {merge_key!r}")
-        index = next((i for i, e in enumerate(result) if e.get(merge_key) == item[merge_key]), None)
+        key = item[merge_key]
         if item.get("$patch") == "delete":
-            if index is not None:
-                del result[index]
-        elif index is None:
-            result.append(_strip_directives(copy.deepcopy(item)))
-        else:
-            result[index] = strategic_merge(result[index], item, path)
-    return result
+            items.pop(key, None)
+            continue
+        current = items.get(key)
+        items[key] = _strip_directives(copy.deepcopy(item)) if current is None else strategic_merge(current, item, path)
+        patched.append(key)
+    if isinstance(order, list):
+        listed = [e.get(merge_key) for e in order if isinstance(e, dict)]
+        if [k for k in listed if k in patched] != patched:
+            raise ApiError(500, "", f"The order in patch list doesn't match $setElementOrder list: {order}")
+        patched = [k for k in listed if k in items]
+    server = [k for k in position if k in items and k not in patched]
+    merged: list[Any] = []
+    while server and patched:
+        first = patched[0] not in position or position[patched[0]] < position[server[0]]
+        merged.append((patched if first else server).pop(0))
+    return [items[k] for k in merged + server + patched]
 
 
 def _strip_directives(value: Any) -> Any:
@@ -300,6 +317,18 @@ def validate_object(resource: str, obj: dict[str, Any]) -> None:
             if not condition.get("type") or condition["type"] in types:
                 raise ApiError(422, "Invalid", f"status.conditions: missing or duplicate type {condition.get('type')}")
             types.add(condition["type"])
+    if resource == "events":
+        # A cluster-scoped object's Events (no involvedObject.namespace) only in `default` (kube-apiserver's legacy
+        # Event validation); a namespaced one's only in its own namespace.
+        involved = (obj.get("involvedObject") or {}).get("namespace") or ""
+        namespace = metadata.get("namespace") or ""
+        if involved != namespace and not (involved == "" and namespace == "default"):
+            raise ApiError(
+                422,
+                "Invalid",
+                f'Event "{metadata.get("name")}" is invalid: involvedObject.namespace: Invalid value: "{involved}": '
+                "does not match event.namespace",
+            )
     if resource == "configmaps":
         for key, value in (obj.get("data") or {}).items():
             if not re.match(r"^[-._a-zA-Z0-9]+$", key) or not isinstance(value, str):

@@ -287,7 +287,19 @@ def _plan_conditions(
     change = ", ".join(
         f"{i['type']}=" + ("(removed)" if i.get("$patch") else f"{i['status']}/{i['reason']}") for i in items
     )
-    return {"status": {"conditions": items}}, change, tuple(events)
+    return _ordered(items, list(existing)), change, tuple(events)
+
+
+def _ordered(items: list[dict[str, Any]], current: list[Any]) -> dict[str, Any]:
+    """The conditions patch with `$setElementOrder/conditions`: every condition where it is (foreign ones untouched,
+    in place), new ones after them. Without it kube-apiserver's strategic merge puts the patched conditions before
+    the others; with it the patch's own items must come in the same order (else 500)."""
+    removed = {i["type"] for i in items if i.get("$patch") == "delete"}
+    order = [t for t in current if t not in removed]
+    order += [i["type"] for i in items if i["type"] not in removed and i["type"] not in order]
+    position = {t: n for n, t in enumerate(order)}
+    items = sorted(items, key=lambda i: position.get(i["type"], len(order)))
+    return {"status": {"$setElementOrder/conditions": [{"type": t} for t in order], "conditions": items}}
 
 
 # --- cleanup ---------------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""The same calls against a real kube-apiserver 1.37 and the API double, compared: status codes, answer shapes
+and the objects left, for each way the double was found to differ from the real server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.kube_double import ApiDouble
+from support.realkube import Requester, plane, register_node
+from support.realkube_compare import Double, shape
+
+pytestmark = [pytest.mark.system, pytest.mark.realkube]
+STRATEGIC = "application/strategic-merge-patch+json"
+
+
+def _targets(double: ApiDouble, node: str = "") -> tuple[Requester, Requester]:
+    real, fake = plane("1.37"), Double(double)
+    if node:
+        for target in (real, fake):
+            if target.request("GET", f"/api/v1/nodes/{node}")[0] == 404:
+                register_node(target, node)
+    return real, fake
+
+
+def _types(target: Requester, node: str) -> list[str]:
+    return [c["type"] for c in target.request("GET", f"/api/v1/nodes/{node}")[1]["status"]["conditions"]]
+
+
+def _each(targets: tuple[Requester, ...], method: str, path: str, body: Any = None, kind: str = "") -> list[Any]:
+    return [target.request(method, path, body, content_type=kind) for target in targets]
+
+
+def test_condition_order_after_a_strategic_merge_is_the_real_servers(double: ApiDouble) -> None:
+    """Without `$setElementOrder` new conditions go before the kubelet's; with it (the agent's patch) every condition
+    stays where it is and new ones follow; a patch whose items disagree with the order is a 500."""
+    targets = _targets(double, "order-1")
+    path = "/api/v1/nodes/order-1/status"
+    seen = []
+    steps: list[dict[str, Any]] = [
+        {"conditions": [{"type": "NetworkHealthy", "status": "True"}]},
+        {"conditions": [{"type": "Ready", "status": "True"}, {"type": "ClockSynced", "status": "True"}]},
+        {
+            "$setElementOrder/conditions": [
+                {"type": t} for t in ("NetworkHealthy", "ClockSynced", "MemoryPressure", "DiskPressure", "Ready")
+            ]
+            + [{"type": "GPUHealthy"}],
+            "conditions": [{"type": "ClockSynced", "status": "False"}, {"type": "GPUHealthy", "status": "True"}],
+        },
+        {
+            "$setElementOrder/conditions": [{"type": "Ready"}, {"type": "GPUHealthy"}],
+            "conditions": [{"type": "GPUHealthy", "status": "False"}, {"type": "Ready", "status": "True"}],
+        },
+    ]
+    for step in steps:
+        answers = _each(targets, "PATCH", path, {"status": step}, STRATEGIC)
+        seen.append(
+            [
+                (status, shape(answer), _types(t, "order-1"))
+                for (status, answer), t in zip(answers, targets, strict=True)
+            ]
+        )
+    for real, fake in seen:
+        assert real == fake
+    assert seen[0][0][2] == ["NetworkHealthy", "MemoryPressure", "DiskPressure", "Ready"], seen
+    assert seen[2][0][2][-1] == "GPUHealthy" and seen[3][0][0] == 500, seen
+
+
+@pytest.mark.parametrize(("namespace", "involved"), [("default", ""), ("node-health", ""), ("node-health", "x")])
+def test_a_nodes_event_outside_default_is_refused_as_by_the_real_server(
+    double: ApiDouble, namespace: str, involved: str
+) -> None:
+    """An Event about a Node (no involvedObject.namespace) is accepted in `default` only, so the agent's
+    `kubernetes.events_namespace` must be default (a config error otherwise); a namespaced object's Event only
+    in its own namespace."""
+    targets = _targets(double)
+    for target in targets:
+        target.request("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    involved_object = {"apiVersion": "v1", "kind": "Node", "name": "ev-1", "namespace": involved}
+    event = {
+        "metadata": {"generateName": "ev-1."},
+        "involvedObject": involved_object,
+        "reason": "NodeHealthProbe",
+        "message": "m",
+        "type": "Normal",
+        "source": {"component": "node-health"},
+    }
+    real, fake = _each(targets, "POST", f"/api/v1/namespaces/{namespace}/events", event)
+    assert (real[0], shape(real[1])) == (fake[0], shape(fake[1]))
+    assert real[0] == (201 if namespace == "default" and not involved else 422), real
+    if real[0] == 422:
+        for _status, answer in (real, fake):
+            assert answer["message"].endswith(
+                f'involvedObject.namespace: Invalid value: "{involved}": does not match event.namespace'
+            ), answer
