@@ -93,3 +93,59 @@ def test_a_nodes_event_outside_default_is_refused_as_by_the_real_server(
             assert answer["message"].endswith(
                 f'involvedObject.namespace: Invalid value: "{involved}": does not match event.namespace'
             ), answer
+
+
+BIG = "x" * (256 * 1024)
+MERGE = "application/merge-patch+json"
+# (what, method, path, body, content type): each a call where the double once answered otherwise.
+CALLS = [
+    ("create", "POST", "/api/v1/namespaces/node-health/configmaps", {"metadata": {"name": "cmp"}, "data": {}}, ""),
+    ("delete: a Status naming it", "DELETE", "/api/v1/namespaces/node-health/configmaps/cmp", None, ""),
+    ("delete again: 404", "DELETE", "/api/v1/namespaces/node-health/configmaps/cmp", None, ""),
+    ("a pod's delete answers the pod", "DELETE", "/api/v1/namespaces/node-health/pods/cmp-pod", None, ""),
+    ("create in a missing namespace", "POST", "/api/v1/namespaces/nowhere/configmaps", {"metadata": {"name": "x"}}, ""),
+    ("name mismatch", "PUT", "/api/v1/nodes/cmp-node", {"metadata": {"name": "other"}}, ""),
+    ("annotations over 256 KiB", "PATCH", "/api/v1/nodes/cmp-node", {"metadata": {"annotations": {"a/b": BIG}}}, MERGE),
+    (
+        "a condition status of any string",
+        "PATCH",
+        "/api/v1/nodes/cmp-node/status",
+        {"status": {"conditions": [{"type": "NPUHealthy", "status": "Maybe"}]}},
+        STRATEGIC,
+    ),
+    ("bad label selector", "GET", "/api/v1/nodes?labelSelector=a%3D%3D%3Db", None, ""),
+    ("unsupported field selector", "GET", "/api/v1/nodes?fieldSelector=spec.nope%3Dx", None, ""),
+    (
+        "the slice selector spec.pool.name (served by 1.37's v1)",
+        "GET",
+        "/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.pool.name%3Dx",
+        None,
+        "",
+    ),
+    ("not a DNS subdomain", "POST", "/api/v1/nodes", {"metadata": {"name": "Bad_Name"}}, ""),
+]
+
+
+@pytest.mark.parametrize(("what", "method", "path", "body", "kind"), CALLS, ids=[c[0] for c in CALLS])
+def test_the_double_answers_as_the_real_server(
+    double: ApiDouble, what: str, method: str, path: str, body: Any, kind: str
+) -> None:
+    double.serve_dra("1.37")
+    targets = _targets(double, "cmp-node")
+    pod = {"metadata": {"name": "cmp-pod"}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    for target in targets:
+        target.request("POST", "/api/v1/namespaces/node-health/pods", pod)
+        if what.startswith("delete"):
+            target.request("POST", CALLS[0][2], CALLS[0][3])
+        if what == "delete again: 404":
+            target.request("DELETE", path)
+    (real_status, real), (fake_status, fake) = _each(targets, method, path, body, kind)
+    assert (fake_status, shape(fake)) == (real_status, shape(real)), (what, real, fake)
+    if isinstance(real, dict) and real.get("kind") == "Status" and real_status == 200:
+        assert {k: v for k, v in fake["details"].items() if k != "uid"} == {
+            k: v for k, v in real["details"].items() if k != "uid"
+        }, (real, fake)
+    if isinstance(real, dict) and real_status >= 400:
+        words = {"not found", "nowhere", "other", "262144", "unable to parse", "field label not supported", "RFC 1123"}
+        said = [w for w in words if w in real["message"]]
+        assert said and all(w in fake["message"] for w in said), (real["message"], fake["message"])

@@ -10,7 +10,11 @@ way kube-apiserver does them:
 - every write bumps a cluster-wide `resourceVersion`; a PATCH or PUT that carries a stale
   `metadata.resourceVersion` is refused with 409 Conflict (optimistic concurrency, ConfigMap CAS);
 - a write to `nodes/{name}` ignores status, a write to `nodes/{name}/status` changes only status;
-- validation of what the agent writes: taint effects and duplicates, label syntax, condition status;
+- validation as kube-apiserver's: taint effects and duplicates, label syntax, object names (DNS subdomains),
+  annotations up to 256 KiB in all, a Node's Events only in `default`, creates only in an existing namespace
+  (404), a PUT's name matching its URL (400), label and field selector syntax (400); a condition's status is not
+  checked (the real server stores any string); DELETE answers a Status naming what went (a pod or namespace: the
+  object), an empty metadata list `items: null` (tests/realkube/test_realkube_vs_double.py compares both);
 - faults: 409, 429 (with Retry-After), 500, 403, slow answers, reset connections, and a whole outage
   (listener closed, live connections cut: the client sees connection refused);
 - `resource.k8s.io` (kube_dra.py): discovery of v1 / v1beta2 or no DRA at all, ResourceSlices with field
@@ -53,6 +57,7 @@ from support.kube_semantics import (
     NAMESPACED,
     STRATEGIC,
     ApiError,
+    check_selectors,
     field_selector_matches,
     json_patch,
     label_selector_matches,
@@ -154,6 +159,17 @@ class ApiDouble:
         self.taint_controller = True
         # Whether the Prometheus Operator's CRDs are installed (monitoring.coreos.com/v1 served).
         self.prometheus_operator = False
+        # Namespaces that exist without a stored Namespace object (a cluster's own, the agent's, which most tests
+        # do not install, and MindCluster's, for public faults): a create over HTTP in any other namespace not
+        # stored is a 404, as from the API.
+        self.implied_namespaces = {
+            "default",
+            "kube-system",
+            "kube-public",
+            "kube-node-lease",
+            "node-health",
+            "mindx-dl",
+        }
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -473,6 +489,11 @@ class ApiDouble:
                     )
             return kube_install.delete(self, (resource, namespace, name), grace_seconds)
 
+    def require_namespace(self, namespace: str) -> None:
+        """A create in a namespace that does not exist is a 404 naming the namespace."""
+        if namespace not in self.implied_namespaces and not self.has(("namespaces", "", namespace)):
+            raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found')
+
     # The store under its lock, for kube_install's deletion semantics.
     def stored_keys(self) -> list[tuple[str, str, str]]:
         return sorted(self._store.objects)
@@ -649,6 +670,16 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.api
         if method != "GET" and api.before_write is not None:
             api.before_write(method, path)
+        if method == "GET" and name is None:
+            check_selectors(resource, query.get("labelSelector", [""])[0], query.get("fieldSelector", [""])[0])
+        if method == "POST" and namespace and not sub:
+            api.require_namespace(namespace)
+        if method == "PUT" and name is not None:
+            sent = ((body or {}).get("metadata") or {}).get("name")
+            if sent and sent != name:
+                raise ApiError(
+                    400, "BadRequest", f"the name of the object ({sent}) does not match the name on the URL ({name})"
+                )
         if method == "GET" and name is None and "as=PartialObjectMetadataList" in (self.headers.get("Accept") or ""):
             items = api.list(
                 resource,
@@ -660,10 +691,12 @@ class _Handler(BaseHTTPRequestHandler):
                 "apiVersion": "meta.k8s.io/v1",
                 "kind": "PartialObjectMetadataList",
                 "metadata": {"resourceVersion": str(api.revision)},
+                # kube-apiserver answers an empty metadata list with `items: null`, not [].
                 "items": [
                     {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": i["metadata"]}
                     for i in items
-                ],
+                ]
+                or None,
             }
         if method == "GET" and name is None:
             return 200, RawJson(
@@ -692,8 +725,8 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "PATCH":
             return 200, api.patch(resource, namespace, name, sub, content_type, body)
         if method == "DELETE":
-            api.delete(resource, namespace, name, *kube_install.delete_options(body, query))
-            return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
+            gone = api.delete(resource, namespace, name, *kube_install.delete_options(body, query))
+            return 200, kube_install.deleted_answer(resource, "v1", gone)
         raise ApiError(405, "MethodNotAllowed", method)
 
     def _error(self, exc: ApiError, headers: dict[str, str] | None = None) -> None:

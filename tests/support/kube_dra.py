@@ -29,6 +29,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from support import kube_install
 from support.kube_semantics import EXTRA_VALIDATORS, ApiError, label_value_valid, qualified_name_valid
 
 if TYPE_CHECKING:
@@ -360,8 +361,8 @@ def route(
         raise ApiError(405, "MethodNotAllowed", f"{method} needs an object name")
     if method == "DELETE":
         preconditions = (body or {}).get("preconditions") if isinstance(body, dict) else None
-        api.delete(resource, "", name, preconditions=preconditions)
-        return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
+        gone = api.delete(resource, "", name, preconditions=preconditions)
+        return 200, kube_install.deleted_answer(resource, f"{GROUP}/{version}", gone)
     return _write(api, method, resource, version, name, query, content_type, body, warnings)
 
 

@@ -273,6 +273,64 @@ def field_selector_matches(selector: str, obj: dict[str, Any]) -> bool:
     return True
 
 
+# Field selectors each core kind supports (kube-apiserver answers 400 "field label not supported" to others).
+FIELD_LABELS = {
+    "nodes": ("metadata.name", "spec.unschedulable"),
+    "configmaps": ("metadata.name", "metadata.namespace"),
+    "pods": (
+        "metadata.name",
+        "metadata.namespace",
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "spec.hostNetwork",
+        "status.phase",
+        "status.podIP",
+        "status.podIPs",
+        "status.nominatedNodeName",
+    ),
+    "events": (
+        "metadata.name",
+        "metadata.namespace",
+        "involvedObject.kind",
+        "involvedObject.namespace",
+        "involvedObject.name",
+        "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
+        "reason",
+        "reportingComponent",
+        "source",
+        "type",
+    ),
+}
+_EQUALITY = re.compile(r"^\s*(!?)\s*([^\s!=]+)\s*(?:(==|!=|=)\s*([^\s]*))?\s*$")
+
+
+def check_selectors(resource: str, label_selector: str, field_selector: str) -> None:
+    """A list's selectors as kube-apiserver parses them: 400 for a label selector it cannot parse (bad keys or
+    values, operators it lacks) and for a field label the kind does not support."""
+    for term in _split_selector(label_selector or ""):
+        if not term.strip():
+            continue
+        found = _SET_TERM.match(term)
+        if found:
+            key, values = found.group(1), [v.strip() for v in found.group(3).split(",")]
+        else:
+            match = _EQUALITY.match(term)
+            if match is None or (match.group(1) and match.group(3)):
+                raise ApiError(400, "BadRequest", f"unable to parse requirement: {term!r}")
+            key, values = match.group(2), [match.group(4) or ""]
+        if not _validate_label_key(key) or not all(label_value_valid(v) for v in values):
+            raise ApiError(400, "BadRequest", f"unable to parse requirement: {term!r}")
+    for term in filter(None, (t.strip() for t in (field_selector or "").split(","))):
+        label = re.split(r"!=|==|=", term, maxsplit=1)[0].strip()
+        if resource in FIELD_LABELS and label not in FIELD_LABELS[resource]:
+            raise ApiError(400, "BadRequest", f"field label not supported: {label}")
+
+
 # --- validation ------------------------------------------------------------------------------------
 
 
@@ -290,8 +348,28 @@ def label_value_valid(value: Any) -> bool:
     return isinstance(value, str) and (not value or bool(_LABEL_NAME.match(value)))
 
 
+ANNOTATIONS_LIMIT = 256 * 1024  # bytes of all keys and values together (apimachinery's TotalAnnotationSizeLimitB)
+_DNS_SUBDOMAIN_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
 def validate_object(resource: str, obj: dict[str, Any]) -> None:
     metadata = obj.get("metadata") or {}
+    name, kind = metadata.get("name") or "", obj.get("kind") or KINDS.get(resource, resource)
+    if resource != "events" and (len(name) > 253 or not _DNS_SUBDOMAIN_NAME.match(name)):
+        raise ApiError(
+            422,
+            "Invalid",
+            f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a lowercase RFC '
+            "1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'",
+        )
+    annotations = metadata.get("annotations") or {}
+    if sum(len(k.encode()) + len(str(v).encode()) for k, v in annotations.items()) > ANNOTATIONS_LIMIT:
+        raise ApiError(
+            422,
+            "Invalid",
+            f'{kind} "{name}" is invalid: metadata.annotations: Too long: may not be more than '
+            f"{ANNOTATIONS_LIMIT} bytes",
+        )
     for key, value in (metadata.get("labels") or {}).items():
         if not _validate_label_key(key):
             raise ApiError(422, "Invalid", f"metadata.labels: invalid key {key!r}")
@@ -312,8 +390,7 @@ def validate_object(resource: str, obj: dict[str, Any]) -> None:
             seen.add((taint["key"], taint["effect"]))
         types = set()
         for condition in (obj.get("status") or {}).get("conditions") or []:
-            if condition.get("status") not in ("True", "False", "Unknown"):
-                raise ApiError(422, "Invalid", f"status.conditions: invalid status {condition.get('status')!r}")
+            # kube-apiserver does not check a Node condition's status (any string is stored): neither does this.
             if not condition.get("type") or condition["type"] in types:
                 raise ApiError(422, "Invalid", f"status.conditions: missing or duplicate type {condition.get('type')}")
             types.add(condition["type"])
