@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.kube_devices import longest_isolation
 from support.kube_helpers import Clock, health_state, kube_config, our_taints, record
 from support.realkube import Plane, plane
 from support.realkube_objects import install
 
 from agent.kube import KubeAgent
+from agent.kube.devices.isolation import annotation_value
 
 pytestmark = [pytest.mark.system, pytest.mark.realkube]
 PROBES = {"storage": ("storage.mounts",), "time": ("time.sync",)}
@@ -131,3 +133,18 @@ def test_two_agents_failing_at_once_share_a_budget_of_one(tmp_path: Path) -> Non
     assert storage["status"] == "False", storage
     reasons = {e["reason"] for e in _events(real, withheld["metadata"]["name"])}
     assert "TaintSuppressedByBudget" in reasons, reasons
+
+
+def test_the_isolated_devices_annotation_of_sixteen_chips_at_their_longest_is_accepted() -> None:
+    """What tests/kube/devices/test_kube_annotation_size.py bounds, written to a real Node as the agent's token."""
+    real = plane("1.37")
+    install(real)
+    _node(real, "annotated")
+    token = real.node_token("annotated")
+    value = annotation_value([longest_isolation(i) for i in range(16)])
+    body = {"metadata": {"annotations": {"node-health/isolated-devices": value}}}
+    status, answer = real.request(
+        "PATCH", "/api/v1/nodes/annotated", body, token=token, content_type="application/merge-patch+json"
+    )
+    assert status == 200, answer
+    assert answer["metadata"]["annotations"]["node-health/isolated-devices"] == value

@@ -3,6 +3,7 @@ and the objects left, for each way the double was found to differ from the real 
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import pytest
@@ -149,3 +150,66 @@ def test_the_double_answers_as_the_real_server(
         words = {"not found", "nowhere", "other", "262144", "unable to parse", "field label not supported", "RFC 1123"}
         said = [w for w in words if w in real["message"]]
         assert said and all(w in fake["message"] for w in said), (real["message"], fake["message"])
+
+
+SELECTORS = [
+    "",
+    "accel=true",
+    "accel==true,pool!=cpu",
+    "node-role.kubernetes.io/gpu",
+    "!node-role.kubernetes.io/control-plane",
+    "pool in (a, b),zone notin (z1)",
+    "accel=",
+    "accel===true",
+    "accel=true pool=a",
+    "bad key=1",
+    "x/y/z=1",
+    "accel=$$",
+    "accel=true,",
+    "pool in a",
+    "pool in (a b)",
+]
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_a_budget_node_selector_loads_exactly_when_the_real_server_parses_it(double: ApiDouble, selector: str) -> None:
+    """`kubernetes.budget_node_selector` is checked at load (a config error, exit 2) by the rules kube-apiserver
+    parses label selectors with; the double refuses what the real server refuses."""
+    from urllib.parse import quote
+
+    from agent.config import label_selector_problem
+
+    path = f"/api/v1/nodes?labelSelector={quote(selector)}"
+    (real_status, real), (fake_status, _fake) = _each(_targets(double), "GET", path)
+    assert real_status in (200, 400), real
+    assert (label_selector_problem(selector) == "") == (real_status == 200), (selector, real)
+    assert fake_status == real_status, (selector, real)
+
+
+@pytest.mark.parametrize(
+    ("device", "uuid"),
+    [("gpu-0", "x" * 64), ("GPU_0", "x"), ("g" * 64, "x"), ("gpu-0", "x" * 65), ("gpu-0", "é" * 32 + "x")],
+    ids=["fits", "not-a-dns-label", "64-character-name", "65-byte-string", "multibyte-string"],
+)
+def test_resource_slice_names_and_attribute_strings_are_refused_as_by_the_real_server(
+    double: ApiDouble, device: str, uuid: str
+) -> None:
+    """Device names are DNS labels, a string attribute at most 64 bytes: the agent reads them from the slices the
+    server accepted (and selects devices by those names), so the double must refuse what the real server does."""
+    double.serve_dra("1.37")
+    body = {
+        "metadata": {"name": f"slice-{zlib.crc32((device + uuid).encode())}"},
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "nodeName": "slice-node",
+            "pool": {"name": "slice-node", "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": device, "attributes": {"uuid": {"string": uuid}}}],
+        },
+    }
+    (real_status, real), (fake_status, fake) = _each(
+        _targets(double), "POST", "/apis/resource.k8s.io/v1/resourceslices", body
+    )
+    assert (fake_status, shape(fake)) == (real_status, shape(real)), (real, fake)
+    if real_status == 422:
+        field = "string" if "attributes" in real["message"] else "name"
+        assert f"spec.devices{'[0]' if field == 'string' else ''}" in fake["message"] and field in fake["message"]

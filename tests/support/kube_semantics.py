@@ -312,9 +312,13 @@ _EQUALITY = re.compile(r"^\s*(!?)\s*([^\s!=]+)\s*(?:(==|!=|=)\s*([^\s]*))?\s*$")
 def check_selectors(resource: str, label_selector: str, field_selector: str) -> None:
     """A list's selectors as kube-apiserver parses them: 400 for a label selector it cannot parse (bad keys or
     values, operators it lacks) and for a field label the kind does not support."""
-    for term in _split_selector(label_selector or ""):
+    text = (label_selector or "").strip()
+    terms = _split_selector(text) if text else []
+    if text.endswith(","):
+        terms.append("")
+    for term in terms:
         if not term.strip():
-            continue
+            raise ApiError(400, "BadRequest", "unable to parse requirement: found '', expected: identifier")
         found = _SET_TERM.match(term)
         if found:
             key, values = found.group(1), [v.strip() for v in found.group(3).split(",")]
