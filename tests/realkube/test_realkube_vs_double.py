@@ -17,6 +17,7 @@ STRATEGIC = "application/strategic-merge-patch+json"
 
 def _targets(double: ApiDouble, node: str = "") -> tuple[Requester, Requester]:
     real, fake = plane("1.37"), Double(double)
+    real.ensure_namespace("node-health")  # the double implies it (an installed cluster)
     if node:
         for target in (real, fake):
             if target.request("GET", f"/api/v1/nodes/{node}")[0] == 404:
