@@ -13,6 +13,7 @@ from support.realkube_compare import Double, shape
 
 pytestmark = [pytest.mark.system, pytest.mark.realkube]
 STRATEGIC = "application/strategic-merge-patch+json"
+NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
 
 
 def _targets(double: ApiDouble, node: str = "") -> tuple[Requester, Requester]:
@@ -214,3 +215,12 @@ def test_resource_slice_names_and_attribute_strings_are_refused_as_by_the_real_s
     if real_status == 422:
         field = "string" if "attributes" in real["message"] else "name"
         assert f"spec.devices{'[0]' if field == 'string' else ''}" in fake["message"] and field in fake["message"]
+
+
+def test_a_node_created_is_born_with_the_not_ready_taint_on_both(double: ApiDouble) -> None:
+    real, fake = _targets(double)
+    body = {"metadata": {"name": "born-1"}, "spec": {"taints": [{"key": "a/b", "effect": "NoSchedule"}]}}
+    answers = _each((real, fake), "POST", "/api/v1/nodes", body)
+    assert [status for status, _ in answers] == [201, 201], answers
+    taints = [answer["spec"]["taints"] for _, answer in answers]
+    assert taints[0] == taints[1] == [{"key": "a/b", "effect": "NoSchedule"}, NOT_READY], taints

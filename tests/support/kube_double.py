@@ -17,6 +17,8 @@ way kube-apiserver does them:
   object), an empty metadata list `items: null` (tests/realkube/test_realkube_vs_double.py compares both);
 - faults: 409, 429 (with Retry-After), 500, 403, slow answers, reset connections, and a whole outage
   (listener closed, live connections cut: the client sees connection refused);
+- a Node created over HTTP is born with the `node.kubernetes.io/not-ready:NoSchedule` taint, as admission gives
+  it (`add_node` stores one as given);
 - `resource.k8s.io` (kube_dra.py): discovery of v1 / v1beta2 or no DRA at all, ResourceSlices with field
   selectors, DeviceTaintRules with strict field validation (`serve_dra(release)`; none by default);
 - the kinds of an install (kube_install.py: namespaces, DaemonSets, RBAC, admission policies, ...), graceful pod
@@ -716,6 +718,12 @@ class _Handler(BaseHTTPRequestHandler):
                     "metadata": obj["metadata"],
                 }
             return 200, obj
+        if method == "POST" and name is None and not sub and resource == "nodes":
+            # Admission (TaintNodesByCondition) taints every new Node not-ready until its kubelet reports Ready.
+            body = copy.deepcopy(body or {})
+            taints = body.setdefault("spec", {}).setdefault("taints", [])
+            if not any(t.get("key") == NOT_READY_TAINT["key"] for t in taints):
+                taints.append(dict(NOT_READY_TAINT))
         if method == "POST" and name is None and not sub:
             return 201, api.create(resource, namespace, body or {})
         if name is None:
@@ -765,6 +773,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+NOT_READY_TAINT = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
 _REASONS = {
     401: "Unauthorized",
     403: "Forbidden",
