@@ -13,6 +13,7 @@ from support.realkube_compare import Double, shape
 
 pytestmark = [pytest.mark.system, pytest.mark.realkube]
 STRATEGIC = "application/strategic-merge-patch+json"
+APPLY = "application/apply-patch+yaml"
 NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
 
 
@@ -224,3 +225,28 @@ def test_a_node_created_is_born_with_the_not_ready_taint_on_both(double: ApiDoub
     assert [status for status, _ in answers] == [201, 201], answers
     taints = [answer["spec"]["taints"] for _, answer in answers]
     assert taints[0] == taints[1] == [{"key": "a/b", "effect": "NoSchedule"}, NOT_READY], taints
+
+
+def test_server_side_apply_creates_then_merges_on_both(double: ApiDouble) -> None:
+    """Server-side apply (what `kubectl apply --server-side` and tests/support/realkube_objects.py send): the
+    object created when missing, then changed; an admin's apply of a Node's status; no fieldManager: 422."""
+    targets = _targets(double, "ssa-node")
+    path = "/api/v1/namespaces/node-health/configmaps/ssa"
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ssa", "namespace": "node-health"}}
+    status = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": "ssa-node"},
+        "status": {"capacity": {"cpu": "4"}},
+    }
+    steps = [
+        (f"{path}?fieldManager=t", {**config_map, "data": {"a": "1"}}),
+        (f"{path}?fieldManager=t", {**config_map, "data": {"a": "2"}}),
+        (path, {**config_map, "data": {"a": "3"}}),
+        ("/api/v1/nodes/ssa-node/status?fieldManager=t", status),
+    ]
+    for where, body in steps:
+        (real_status, real), (fake_status, fake) = _each(targets, "PATCH", where, body, APPLY)
+        assert (fake_status, shape(fake)) == (real_status, shape(real)), (where, real, fake)
+    assert [t.request("GET", path)[1]["data"] for t in targets] == [{"a": "2"}] * 2
+    assert [t.request("GET", "/api/v1/nodes/ssa-node")[1]["status"]["capacity"] for t in targets] == [{"cpu": "4"}] * 2

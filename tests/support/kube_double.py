@@ -12,7 +12,8 @@ way kube-apiserver does them:
 - a write to `nodes/{name}` ignores status, a write to `nodes/{name}/status` changes only status;
 - validation as kube-apiserver's: taint effects and duplicates, label syntax, object names (DNS subdomains),
   annotations up to 256 KiB in all, a Node's Events only in `default`, creates only in an existing namespace
-  (404), a PUT's name matching its URL (400), label and field selector syntax (400); a condition's status is not
+  (404), a PUT's name matching its URL (400), server-side apply by one field manager (created when missing;
+  fieldManager required), label and field selector syntax (400); a condition's status is not
   checked (the real server stores any string); DELETE answers a Status naming what went (a pod or namespace: the
   object), an empty metadata list `items: null` (tests/realkube/test_realkube_vs_double.py compares both);
 - faults: 409, 429 (with Retry-After), 500, 403, slow answers, reset connections, and a whole outage
@@ -50,9 +51,11 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import kubernetes.client
+import yaml
 
 from support import kube_dra, kube_install
 from support.kube_semantics import (
+    APPLY,
     JSON_PATCH,
     KINDS,
     MERGE,
@@ -522,6 +525,36 @@ class ApiDouble:
             new = self.patched(resource, self.get(resource, namespace, name), content_type, patch)
             return self.update(resource, namespace, name, subresource, new, patched=True)
 
+    def apply(
+        self,
+        resource: str,
+        namespace: str,
+        name: str,
+        subresource: str,
+        patch: Any,
+        query: dict[str, list[str]],
+        api_version: str = "v1",
+    ) -> tuple[int, dict[str, Any]]:
+        """Server-side apply (application/apply-patch+yaml), for one field manager: the object created when it
+        is missing (201), else the applied fields merged in as a JSON merge patch would (200). Field ownership
+        and conflicts between managers are not modelled."""
+        if not query.get("fieldManager", [""])[0]:
+            raise ApiError(
+                422,
+                "Invalid",
+                "PatchOptions.meta.k8s.io is invalid: fieldManager: Required value: is required for apply patch",
+            )
+        if not isinstance(patch, dict):
+            raise ApiError(400, "BadRequest", "the body of an apply patch must be an object")
+        with self._lock:
+            if not self.has((resource, namespace, name)):
+                if subresource:
+                    raise ApiError(404, "NotFound", f'{resource} "{name}" not found')
+                if namespace:
+                    self.require_namespace(namespace)
+                return 201, self.create(resource, namespace, patch, api_version=api_version)
+            return 200, self.patch(resource, namespace, name, subresource, MERGE, patch)
+
     @staticmethod
     def patched(resource: str, current: dict[str, Any], content_type: str, patch: Any) -> dict[str, Any]:
         """`current` with `patch` applied, in the patch type the Content-Type names."""
@@ -634,14 +667,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
         try:
-            body = json.loads(raw) if raw else None
+            body = (yaml.safe_load(raw) if content_type == APPLY else json.loads(raw)) if raw else None
             status, answer = self._route(method, path, parse_qs(url.query), content_type, body)
         except ApiError as exc:
             if method != "GET":
                 self._record(method, path, content_type, raw, exc.code)
             self._error(exc)
             return
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, yaml.YAMLError) as exc:
             self._error(ApiError(400, "BadRequest", f"malformed request: {exc!r}"))
             return
         if method != "GET":
@@ -730,6 +763,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(405, "MethodNotAllowed", f"{method} needs an object name")
         if method == "PUT":
             return 200, api.update(resource, namespace, name, sub, body or {}, patched=False)
+        if method == "PATCH" and content_type == APPLY:
+            return api.apply(resource, namespace, name, sub, body, query)
         if method == "PATCH":
             return 200, api.patch(resource, namespace, name, sub, content_type, body)
         if method == "DELETE":

@@ -25,7 +25,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from support.kube_semantics import KINDS, NAMESPACED, ApiError
+from support.kube_semantics import APPLY, KINDS, NAMESPACED, ApiError
 
 if TYPE_CHECKING:
     from support.kube_double import ApiDouble
@@ -103,6 +103,8 @@ def route(
         raise ApiError(405, "MethodNotAllowed", f"{method} needs an object name")
     if method == "PUT":
         return 200, api.update(resource, namespace, name, "", body or {}, patched=False)
+    if method == "PATCH" and content_type == APPLY:
+        return api.apply(resource, namespace, name, "", body, query, api_version=group_version)
     if method == "PATCH":
         return 200, api.patch(resource, namespace, name, "", content_type, body)
     if method == "DELETE":

@@ -12,6 +12,7 @@ from typing import Any
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
+APPLY = "application/apply-patch+yaml"
 
 # Lists that strategic merge merges by key (patchStrategy=merge in the Go types); every other list is
 # atomic and replaced whole — notably spec.taints.
