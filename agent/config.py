@@ -140,6 +140,38 @@ class MindClusterConfig(Section):
     public_fault: PublicFaultConfig = PublicFaultConfig()
 
 
+_QUALIFIED_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_SELECTOR_TERM = re.compile(
+    r"\s*(?:(?P<not>!)\s*(?P<absent>[^\s!=(),]+)|(?P<key>[^\s!=(),]+)"
+    r"(?:\s*(?P<op>==|!=|=)\s*(?P<value>[^\s!=(),]*)|\s+(?P<set>in|notin)\s*\((?P<values>[^()]*)\))?)\s*"
+)
+
+
+def label_selector_problem(selector: str) -> str:
+    """What makes `selector` no label selector kube-apiserver parses (keys, values, operators; `key`, `!key`,
+    `key=v`, `key==v`, `key!=v`, `key in (a,b)`, `key notin (a,b)`, comma-separated); empty when it is one."""
+    rest = selector.strip()
+    while rest:
+        found = _SELECTOR_TERM.match(rest)
+        if found is None or found.end() == 0:
+            return f"cannot parse {rest!r}"
+        key = found["absent"] or found["key"]
+        values = [v.strip() for v in found["values"].split(",")] if found["set"] else [found["value"] or ""]
+        if not _QUALIFIED_NAME.fullmatch(key):
+            return f"{key!r} is not a label key"
+        bad = next((v for v in values if not _LABEL_VALUE.fullmatch(v)), None)
+        if bad is not None:
+            return f"{bad!r} is not a label value"
+        rest = rest[found.end() :]
+        if rest and not rest.startswith(","):
+            return f"cannot parse {rest!r}"
+        rest = rest[1:].strip() if rest else rest
+        if not rest and selector.rstrip().endswith(","):
+            return "a trailing comma"
+    return ""
+
+
 class KubernetesConfig(Section):
     enabled: bool = True
     key_prefix: str = "node-health"
@@ -211,6 +243,27 @@ class KubernetesConfig(Section):
             # kubelet, the scheduler and the node lifecycle controller own those keys; cleanup removes every
             # key under the prefix, so a reserved one would remove theirs.
             raise ValueError(f"{reserved} and its subdomains are reserved for Kubernetes' own labels and taints")
+        return value
+
+    @field_validator("budget_node_selector")
+    @classmethod
+    def _label_selector(cls, value: str) -> str:
+        problem = label_selector_problem(value)
+        if problem:
+            # Checked here, not by the API server at the first recount (400): a budget that never counts.
+            raise ValueError(f"not a label selector the API server accepts: {problem}")
+        return value
+
+    @field_validator("events_namespace")
+    @classmethod
+    def _node_events_namespace(cls, value: str) -> str:
+        if value != "default":
+            # kube-apiserver refuses an Event for a cluster-scoped object anywhere else (422: involvedObject.namespace
+            # does not match event.namespace): every Event would be lost.
+            raise ValueError(
+                "must be default: the API server accepts Events for a Node (cluster-scoped) only in the namespace "
+                "default"
+            )
         return value
 
     @field_validator("default_effect", "effects")

@@ -50,6 +50,10 @@ def write(tmp_path: Path, text: str, name: str = "config.yaml") -> str:
         ("kubernetes: {key_prefix: node.kubernetes.io}\n", "kubernetes.key_prefix"),
         ("kubernetes: {key_prefix: k8s.io}\n", "kubernetes.key_prefix"),
         ("kubernetes: {key_prefix: health.x-k8s.k8s.io}\n", "kubernetes.key_prefix"),
+        # A Node's Events are refused anywhere but in default (tests/realkube/test_realkube_vs_double.py).
+        ("kubernetes: {events_namespace: node-health}\n", "kubernetes.events_namespace"),
+        # Checked at load, as kube-apiserver parses it (tests/realkube/test_realkube_vs_double.py).
+        ("kubernetes: {budget_node_selector: 'accel===true'}\n", "kubernetes.budget_node_selector"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(

@@ -74,6 +74,10 @@ def test_real_client_conflicts_faults_and_cas(double: ApiDouble) -> None:
     assert invalid.value.status == 422
 
     body = kubernetes.client.V1ConfigMap(metadata=kubernetes.client.V1ObjectMeta(name="cm"), data={"a": "1"})
+    with pytest.raises(ApiException) as missing:
+        api.create_namespaced_config_map("ns", body)
+    assert missing.value.status == 404, "no such namespace"
+    api.create_namespace(kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name="ns")))
     created = api.create_namespaced_config_map("ns", body)
     body.metadata.resource_version = created.metadata.resource_version
     body.data = {"a": "2"}

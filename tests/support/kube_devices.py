@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from agent.kube.devices.isolation import Isolation, RuleSpec
+from agent.kube.devices.match import NAME_LIMIT, DeviceRef, Published
 from agent.state import HealthState
 from probes.base import (
     OBSERVED_DEVICE_IDS,
@@ -119,3 +121,15 @@ def record_npus(
         "npu",
         [npu_finding(c, check, status if c.logical_id in bad else "ok", bad.get(c.logical_id, "OK")) for c in CHIPS],
     )
+
+
+def longest_isolation(index: int) -> Isolation:
+    """One chip's entry with every field at its longest: a rule per DRA driver, each name at the 253-character
+    limit, every fault code, a why far past its clip."""
+    rules = tuple(
+        RuleSpec("r" * NAME_LIMIT, Published(driver, "n" * 63, f"npu-{index}", "s"), {})
+        for driver in ("gpu.nvidia.com", "npu.huawei.com", "ascend.project-hami.io")
+    )
+    codes = {f"Reason{n}": f"8{n:08d}" for n in range(12)}
+    why = "HTTP 500 " + "the order in patch list doesn't match $setElementOrder list " * 500
+    return Isolation(DeviceRef("npu", index), "node", "NpuHbmMultiBitEccError", "NoExecute", rules, codes, 7, why)

@@ -10,9 +10,16 @@ way kube-apiserver does them:
 - every write bumps a cluster-wide `resourceVersion`; a PATCH or PUT that carries a stale
   `metadata.resourceVersion` is refused with 409 Conflict (optimistic concurrency, ConfigMap CAS);
 - a write to `nodes/{name}` ignores status, a write to `nodes/{name}/status` changes only status;
-- validation of what the agent writes: taint effects and duplicates, label syntax, condition status;
+- validation as kube-apiserver's: taint effects and duplicates, label syntax, object names (DNS subdomains),
+  annotations up to 256 KiB in all, a Node's Events only in `default`, creates only in an existing namespace
+  (404), a PUT's name matching its URL (400), server-side apply by one field manager (created when missing;
+  fieldManager required), label and field selector syntax (400); a condition's status is not
+  checked (the real server stores any string); DELETE answers a Status naming what went (a pod or namespace: the
+  object), an empty metadata list `items: null` (tests/realkube/test_realkube_vs_double.py compares both);
 - faults: 409, 429 (with Retry-After), 500, 403, slow answers, reset connections, and a whole outage
   (listener closed, live connections cut: the client sees connection refused);
+- a Node created over HTTP is born with the `node.kubernetes.io/not-ready:NoSchedule` taint, as admission gives
+  it (`add_node` stores one as given);
 - `resource.k8s.io` (kube_dra.py): discovery of v1 / v1beta2 or no DRA at all, ResourceSlices with field
   selectors, DeviceTaintRules with strict field validation (`serve_dra(release)`; none by default);
 - the kinds of an install (kube_install.py: namespaces, DaemonSets, RBAC, admission policies, ...), graceful pod
@@ -44,15 +51,18 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import kubernetes.client
+import yaml
 
 from support import kube_dra, kube_install
 from support.kube_semantics import (
+    APPLY,
     JSON_PATCH,
     KINDS,
     MERGE,
     NAMESPACED,
     STRATEGIC,
     ApiError,
+    check_selectors,
     field_selector_matches,
     json_patch,
     label_selector_matches,
@@ -154,6 +164,17 @@ class ApiDouble:
         self.taint_controller = True
         # Whether the Prometheus Operator's CRDs are installed (monitoring.coreos.com/v1 served).
         self.prometheus_operator = False
+        # Namespaces that exist without a stored Namespace object (a cluster's own, the agent's, which most tests
+        # do not install, and MindCluster's, for public faults): a create over HTTP in any other namespace not
+        # stored is a 404, as from the API.
+        self.implied_namespaces = {
+            "default",
+            "kube-system",
+            "kube-public",
+            "kube-node-lease",
+            "node-health",
+            "mindx-dl",
+        }
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -481,6 +502,11 @@ class ApiDouble:
                     )
             return kube_install.delete(self, (resource, namespace, name), grace_seconds)
 
+    def require_namespace(self, namespace: str) -> None:
+        """A create in a namespace that does not exist is a 404 naming the namespace."""
+        if namespace not in self.implied_namespaces and not self.has(("namespaces", "", namespace)):
+            raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found')
+
     # The store under its lock, for kube_install's deletion semantics.
     def stored_keys(self) -> list[tuple[str, str, str]]:
         return sorted(self._store.objects)
@@ -506,6 +532,36 @@ class ApiDouble:
         with self._lock:
             new = self.patched(resource, self.get(resource, namespace, name), content_type, patch)
             return self.update(resource, namespace, name, subresource, new, patched=True)
+
+    def apply(
+        self,
+        resource: str,
+        namespace: str,
+        name: str,
+        subresource: str,
+        patch: Any,
+        query: dict[str, list[str]],
+        api_version: str = "v1",
+    ) -> tuple[int, dict[str, Any]]:
+        """Server-side apply (application/apply-patch+yaml), for one field manager: the object created when it
+        is missing (201), else the applied fields merged in as a JSON merge patch would (200). Field ownership
+        and conflicts between managers are not modelled."""
+        if not query.get("fieldManager", [""])[0]:
+            raise ApiError(
+                422,
+                "Invalid",
+                "PatchOptions.meta.k8s.io is invalid: fieldManager: Required value: is required for apply patch",
+            )
+        if not isinstance(patch, dict):
+            raise ApiError(400, "BadRequest", "the body of an apply patch must be an object")
+        with self._lock:
+            if not self.has((resource, namespace, name)):
+                if subresource:
+                    raise ApiError(404, "NotFound", f'{resource} "{name}" not found')
+                if namespace:
+                    self.require_namespace(namespace)
+                return 201, self.create(resource, namespace, patch, api_version=api_version)
+            return 200, self.patch(resource, namespace, name, subresource, MERGE, patch)
 
     @staticmethod
     def patched(resource: str, current: dict[str, Any], content_type: str, patch: Any) -> dict[str, Any]:
@@ -619,14 +675,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
         try:
-            body = json.loads(raw) if raw else None
+            body = (yaml.safe_load(raw) if content_type == APPLY else json.loads(raw)) if raw else None
             status, answer = self._route(method, path, parse_qs(url.query), content_type, body)
         except ApiError as exc:
             if method != "GET":
                 self._record(method, path, content_type, raw, exc.code)
             self._error(exc)
             return
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, yaml.YAMLError) as exc:
             self._error(ApiError(400, "BadRequest", f"malformed request: {exc!r}"))
             return
         if method != "GET":
@@ -657,6 +713,16 @@ class _Handler(BaseHTTPRequestHandler):
         api = self.api
         if method != "GET" and api.before_write is not None:
             api.before_write(method, path)
+        if method == "GET" and name is None:
+            check_selectors(resource, query.get("labelSelector", [""])[0], query.get("fieldSelector", [""])[0])
+        if method == "POST" and namespace and not sub:
+            api.require_namespace(namespace)
+        if method == "PUT" and name is not None:
+            sent = ((body or {}).get("metadata") or {}).get("name")
+            if sent and sent != name:
+                raise ApiError(
+                    400, "BadRequest", f"the name of the object ({sent}) does not match the name on the URL ({name})"
+                )
         if method == "GET" and name is None and "as=PartialObjectMetadataList" in (self.headers.get("Accept") or ""):
             items = api.list(
                 resource,
@@ -668,10 +734,12 @@ class _Handler(BaseHTTPRequestHandler):
                 "apiVersion": "meta.k8s.io/v1",
                 "kind": "PartialObjectMetadataList",
                 "metadata": {"resourceVersion": str(api.revision)},
+                # kube-apiserver answers an empty metadata list with `items: null`, not [].
                 "items": [
                     {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": i["metadata"]}
                     for i in items
-                ],
+                ]
+                or None,
             }
         if method == "GET" and name is None:
             return 200, RawJson(
@@ -691,17 +759,25 @@ class _Handler(BaseHTTPRequestHandler):
                     "metadata": obj["metadata"],
                 }
             return 200, obj
+        if method == "POST" and name is None and not sub and resource == "nodes":
+            # Admission (TaintNodesByCondition) taints every new Node not-ready until its kubelet reports Ready.
+            body = copy.deepcopy(body or {})
+            taints = body.setdefault("spec", {}).setdefault("taints", [])
+            if not any(t.get("key") == NOT_READY_TAINT["key"] for t in taints):
+                taints.append(dict(NOT_READY_TAINT))
         if method == "POST" and name is None and not sub:
             return 201, api.create(resource, namespace, body or {})
         if name is None:
             raise ApiError(405, "MethodNotAllowed", f"{method} needs an object name")
         if method == "PUT":
             return 200, api.update(resource, namespace, name, sub, body or {}, patched=False)
+        if method == "PATCH" and content_type == APPLY:
+            return api.apply(resource, namespace, name, sub, body, query)
         if method == "PATCH":
             return 200, api.patch(resource, namespace, name, sub, content_type, body)
         if method == "DELETE":
-            api.delete(resource, namespace, name, *kube_install.delete_options(body, query))
-            return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
+            gone = api.delete(resource, namespace, name, *kube_install.delete_options(body, query))
+            return 200, kube_install.deleted_answer(resource, "v1", gone)
         raise ApiError(405, "MethodNotAllowed", method)
 
     def _error(self, exc: ApiError, headers: dict[str, str] | None = None) -> None:
@@ -714,6 +790,8 @@ class _Handler(BaseHTTPRequestHandler):
             "reason": exc.reason,
             "code": exc.code,
         }
+        if not exc.reason:
+            del body["reason"]  # as kube-apiserver's answer to a patch it cannot apply (500, no reason)
         self._send(exc.code, body, headers)
 
     def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
@@ -738,6 +816,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+NOT_READY_TAINT = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
 _REASONS = {
     401: "Unauthorized",
     403: "Forbidden",

@@ -29,6 +29,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from support import kube_install
 from support.kube_semantics import EXTRA_VALIDATORS, ApiError, label_value_valid, qualified_name_valid
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ FIELD_LABELS = {
     "resourceslices": ("metadata.name", "spec.nodeName", "spec.driver", "spec.pool.name"),
     "devicetaintrules": ("metadata.name",),
 }
+ATTRIBUTE_STRING_LIMIT = 64  # bytes of a device attribute's string value
 DEVICE_TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 EVICTION_CONDITION = "EvictionInProgress"
 
@@ -217,6 +219,16 @@ def _validate_slice(obj: dict[str, Any]) -> None:
             raise ApiError(422, "Invalid", f"spec.devices.name: Invalid value: {name!r}")
     if len(names) != len(set(names)):
         raise ApiError(422, "Invalid", "spec.devices: duplicate device name")
+    for index, device in enumerate(spec.get("devices") or []):
+        for key, attribute in (device.get("attributes") or {}).items():
+            text = attribute.get("string") if isinstance(attribute, dict) else None
+            if isinstance(text, str) and len(text.encode()) > ATTRIBUTE_STRING_LIMIT:
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f"spec.devices[{index}].attributes[{key}].string: Too long: may not be more than "
+                    f"{ATTRIBUTE_STRING_LIMIT} bytes",
+                )
 
 
 EXTRA_VALIDATORS.update({"devicetaintrules": _validate_rule, "resourceslices": _validate_slice})
@@ -360,8 +372,8 @@ def route(
         raise ApiError(405, "MethodNotAllowed", f"{method} needs an object name")
     if method == "DELETE":
         preconditions = (body or {}).get("preconditions") if isinstance(body, dict) else None
-        api.delete(resource, "", name, preconditions=preconditions)
-        return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
+        gone = api.delete(resource, "", name, preconditions=preconditions)
+        return 200, kube_install.deleted_answer(resource, f"{GROUP}/{version}", gone)
     return _write(api, method, resource, version, name, query, content_type, body, warnings)
 
 

@@ -25,7 +25,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from support.kube_semantics import KINDS, NAMESPACED, ApiError
+from support.kube_semantics import APPLY, KINDS, NAMESPACED, ApiError
 
 if TYPE_CHECKING:
     from support.kube_double import ApiDouble
@@ -107,12 +107,29 @@ def route(
         raise ApiError(405, "MethodNotAllowed", f"{method} needs an object name")
     if method == "PUT":
         return 200, api.update(resource, namespace, name, "", body or {}, patched=False)
+    if method == "PATCH" and content_type == APPLY:
+        return api.apply(resource, namespace, name, "", body, query, api_version=group_version)
     if method == "PATCH":
         return 200, api.patch(resource, namespace, name, "", content_type, body)
     if method == "DELETE":
-        api.delete(resource, namespace, name, *delete_options(body, query))
-        return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}}
+        gone = api.delete(resource, namespace, name, *delete_options(body, query))
+        return 200, deleted_answer(resource, group_version, gone)
     raise ApiError(405, "MethodNotAllowed", method)
+
+
+# Kinds whose DELETE answers the object (its deletionTimestamp set, or as it was), as kube-apiserver's stores for
+# them do; every other kind answers a Status naming what went.
+_DELETE_RETURNS_OBJECT = {"pods", "namespaces"}
+
+
+def deleted_answer(resource: str, group_version: str, gone: dict[str, Any]) -> dict[str, Any]:
+    """The answer to a DELETE of `gone` (a `resource` of `group_version`)."""
+    if resource in _DELETE_RETURNS_OBJECT:
+        return gone
+    details = {"name": gone["metadata"]["name"], "kind": resource, "uid": gone["metadata"].get("uid", "")}
+    if "/" in group_version:
+        details = {"name": details["name"], "group": group_version.split("/")[0], **details}
+    return {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}, "details": details}
 
 
 def delete_options(body: Any, query: dict[str, list[str]]) -> tuple[dict[str, Any] | None, int | None]:

@@ -12,6 +12,7 @@ from typing import Any
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
+APPLY = "application/apply-patch+yaml"
 
 # Lists that strategic merge merges by key (patchStrategy=merge in the Go types); every other list is
 # atomic and replaced whole — notably spec.taints.
@@ -55,13 +56,14 @@ def strategic_merge(original: Any, patch: Any, path: tuple[str, ...] = ()) -> An
     result = copy.deepcopy(original)
     for key, value in patch.items():
         if key.startswith("$"):
-            continue  # $setElementOrder/..., $retainKeys: ordering hints, not needed here
+            continue  # $setElementOrder/<list> is read with its list; $retainKeys is not needed here
         if value is None:
             result.pop(key, None)
             continue
         sub = (*path, key)
         if isinstance(value, list) and sub in MERGE_KEYS:
-            result[key] = _merge_list(result.get(key) or [], value, MERGE_KEYS[sub], sub)
+            order = patch.get(f"$setElementOrder/{key}")
+            result[key] = _merge_list(result.get(key) or [], value, MERGE_KEYS[sub], sub, order)
         elif isinstance(value, dict):
             if value.get("$patch") == "delete":
                 result.pop(key, None)
@@ -73,22 +75,38 @@ def strategic_merge(original: Any, patch: Any, path: tuple[str, ...] = ()) -> An
     return result
 
 
-def _merge_list(original: list[Any], patch: list[Any], merge_key: str, path: tuple[str, ...]) -> list[Any]:
+def _merge_list(
+    original: list[Any], patch: list[Any], merge_key: str, path: tuple[str, ...], order: Any = None
+) -> list[Any]:
+    """kube-apiserver's merge of a keyed list: patched items merged into theirs, deleted ones dropped, then the
+    patch's items (in `$setElementOrder` order where given, else the patch's) and the server-only items merged as
+    two sorted runs: an item the server had goes by its old position, a new one goes before the server's next."""
     if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
         return [_strip_directives(i) for i in patch if not (isinstance(i, dict) and i.get("$patch") == "replace")]
-    result = copy.deepcopy(original)
+    items = {e.get(merge_key): copy.deepcopy(e) for e in original if isinstance(e, dict)}
+    position = {key: n for n, key in enumerate(items)}
+    patched: list[Any] = []
     for item in patch:
         if not isinstance(item, dict) or merge_key not in item:
             raise ApiError(422, "Invalid", f"{'.'.join(path)}: list item without merge key {merge_key!r}")
-        index = next((i for i, e in enumerate(result) if e.get(merge_key) == item[merge_key]), None)
+        key = item[merge_key]
         if item.get("$patch") == "delete":
-            if index is not None:
-                del result[index]
-        elif index is None:
-            result.append(_strip_directives(copy.deepcopy(item)))
-        else:
-            result[index] = strategic_merge(result[index], item, path)
-    return result
+            items.pop(key, None)
+            continue
+        current = items.get(key)
+        items[key] = _strip_directives(copy.deepcopy(item)) if current is None else strategic_merge(current, item, path)
+        patched.append(key)
+    if isinstance(order, list):
+        listed = [e.get(merge_key) for e in order if isinstance(e, dict)]
+        if [k for k in listed if k in patched] != patched:
+            raise ApiError(500, "", f"The order in patch list doesn't match $setElementOrder list: {order}")
+        patched = [k for k in listed if k in items]
+    server = [k for k in position if k in items and k not in patched]
+    merged: list[Any] = []
+    while server and patched:
+        first = patched[0] not in position or position[patched[0]] < position[server[0]]
+        merged.append((patched if first else server).pop(0))
+    return [items[k] for k in merged + server + patched]
 
 
 def _strip_directives(value: Any) -> Any:
@@ -256,6 +274,68 @@ def field_selector_matches(selector: str, obj: dict[str, Any]) -> bool:
     return True
 
 
+# Field selectors each core kind supports (kube-apiserver answers 400 "field label not supported" to others).
+FIELD_LABELS = {
+    "nodes": ("metadata.name", "spec.unschedulable"),
+    "configmaps": ("metadata.name", "metadata.namespace"),
+    "pods": (
+        "metadata.name",
+        "metadata.namespace",
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "spec.hostNetwork",
+        "status.phase",
+        "status.podIP",
+        "status.podIPs",
+        "status.nominatedNodeName",
+    ),
+    "events": (
+        "metadata.name",
+        "metadata.namespace",
+        "involvedObject.kind",
+        "involvedObject.namespace",
+        "involvedObject.name",
+        "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
+        "reason",
+        "reportingComponent",
+        "source",
+        "type",
+    ),
+}
+_EQUALITY = re.compile(r"^\s*(!?)\s*([^\s!=]+)\s*(?:(==|!=|=)\s*([^\s]*))?\s*$")
+
+
+def check_selectors(resource: str, label_selector: str, field_selector: str) -> None:
+    """A list's selectors as kube-apiserver parses them: 400 for a label selector it cannot parse (bad keys or
+    values, operators it lacks) and for a field label the kind does not support."""
+    text = (label_selector or "").strip()
+    terms = _split_selector(text) if text else []
+    if text.endswith(","):
+        terms.append("")
+    for term in terms:
+        if not term.strip():
+            raise ApiError(400, "BadRequest", "unable to parse requirement: found '', expected: identifier")
+        found = _SET_TERM.match(term)
+        if found:
+            key, values = found.group(1), [v.strip() for v in found.group(3).split(",")]
+        else:
+            match = _EQUALITY.match(term)
+            if match is None or (match.group(1) and match.group(3)):
+                raise ApiError(400, "BadRequest", f"unable to parse requirement: {term!r}")
+            key, values = match.group(2), [match.group(4) or ""]
+        if not _validate_label_key(key) or not all(label_value_valid(v) for v in values):
+            raise ApiError(400, "BadRequest", f"unable to parse requirement: {term!r}")
+    for term in filter(None, (t.strip() for t in (field_selector or "").split(","))):
+        label = re.split(r"!=|==|=", term, maxsplit=1)[0].strip()
+        if resource in FIELD_LABELS and label not in FIELD_LABELS[resource]:
+            raise ApiError(400, "BadRequest", f"field label not supported: {label}")
+
+
 # --- validation ------------------------------------------------------------------------------------
 
 
@@ -273,8 +353,28 @@ def label_value_valid(value: Any) -> bool:
     return isinstance(value, str) and (not value or bool(_LABEL_NAME.match(value)))
 
 
+ANNOTATIONS_LIMIT = 256 * 1024  # bytes of all keys and values together (apimachinery's TotalAnnotationSizeLimitB)
+_DNS_SUBDOMAIN_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
 def validate_object(resource: str, obj: dict[str, Any]) -> None:
     metadata = obj.get("metadata") or {}
+    name, kind = metadata.get("name") or "", obj.get("kind") or KINDS.get(resource, resource)
+    if resource != "events" and (len(name) > 253 or not _DNS_SUBDOMAIN_NAME.match(name)):
+        raise ApiError(
+            422,
+            "Invalid",
+            f'{kind} "{name}" is invalid: metadata.name: Invalid value: "{name}": a lowercase RFC '
+            "1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'",
+        )
+    annotations = metadata.get("annotations") or {}
+    if sum(len(k.encode()) + len(str(v).encode()) for k, v in annotations.items()) > ANNOTATIONS_LIMIT:
+        raise ApiError(
+            422,
+            "Invalid",
+            f'{kind} "{name}" is invalid: metadata.annotations: Too long: may not be more than '
+            f"{ANNOTATIONS_LIMIT} bytes",
+        )
     for key, value in (metadata.get("labels") or {}).items():
         if not _validate_label_key(key):
             raise ApiError(422, "Invalid", f"metadata.labels: invalid key {key!r}")
@@ -295,11 +395,22 @@ def validate_object(resource: str, obj: dict[str, Any]) -> None:
             seen.add((taint["key"], taint["effect"]))
         types = set()
         for condition in (obj.get("status") or {}).get("conditions") or []:
-            if condition.get("status") not in ("True", "False", "Unknown"):
-                raise ApiError(422, "Invalid", f"status.conditions: invalid status {condition.get('status')!r}")
+            # kube-apiserver does not check a Node condition's status (any string is stored): neither does this.
             if not condition.get("type") or condition["type"] in types:
                 raise ApiError(422, "Invalid", f"status.conditions: missing or duplicate type {condition.get('type')}")
             types.add(condition["type"])
+    if resource == "events":
+        # A cluster-scoped object's Events (no involvedObject.namespace) only in `default` (kube-apiserver's legacy
+        # Event validation); a namespaced one's only in its own namespace.
+        involved = (obj.get("involvedObject") or {}).get("namespace") or ""
+        namespace = metadata.get("namespace") or ""
+        if involved != namespace and not (involved == "" and namespace == "default"):
+            raise ApiError(
+                422,
+                "Invalid",
+                f'Event "{metadata.get("name")}" is invalid: involvedObject.namespace: Invalid value: "{involved}": '
+                "does not match event.namespace",
+            )
     if resource == "configmaps":
         for key, value in (obj.get("data") or {}).items():
             if not re.match(r"^[-._a-zA-Z0-9]+$", key) or not isinstance(value, str):

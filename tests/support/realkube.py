@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import kubernetes.client
 
@@ -128,23 +128,7 @@ class Plane:
     # --- objects a test needs ------------------------------------------------------------------------
 
     def register_node(self, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
-        """A Node created as a kubelet registers it (admission adds the not-ready taint), with a Ready condition
-        and the kubelet's own conditions, written as its status."""
-        status, node = self.request("POST", "/api/v1/nodes", {"metadata": {"name": name, "labels": labels or {}}})
-        assert status == 201, (status, node)
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        conditions = [
-            {"type": kind, "status": "False", "reason": f"KubeletHas{reason}", "lastHeartbeatTime": now}
-            for kind, reason in (("MemoryPressure", "SufficientMemory"), ("DiskPressure", "NoDiskPressure"))
-        ] + [{"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": now}]
-        status, node = self.request(
-            "PATCH",
-            f"/api/v1/nodes/{name}/status",
-            {"status": {"conditions": conditions}},
-            content_type="application/merge-patch+json",
-        )
-        assert status == 200, (status, node)
-        return dict(node)
+        return register_node(self, name, labels)
 
     def ensure_namespace(self, name: str) -> None:
         status, answer = self.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
@@ -341,6 +325,34 @@ class Plane:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+class Requester(Protocol):
+    """A real plane or the double (support.realkube_compare.Double): one raw call, (status, decoded answer)."""
+
+    def request(
+        self, method: str, path: str, body: Any = None, token: str = ADMIN_TOKEN, content_type: str = ""
+    ) -> tuple[int, Any]: ...
+
+
+def register_node(target: Requester, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A Node created as a kubelet registers it (on a real plane admission adds the not-ready taint), with the
+    kubelet's own conditions and Ready, written as its status."""
+    status, node = target.request("POST", "/api/v1/nodes", {"metadata": {"name": name, "labels": labels or {}}})
+    assert status == 201, (status, node)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    conditions = [
+        {"type": kind, "status": "False", "reason": f"KubeletHas{reason}", "lastHeartbeatTime": now}
+        for kind, reason in (("MemoryPressure", "SufficientMemory"), ("DiskPressure", "NoDiskPressure"))
+    ] + [{"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": now}]
+    status, node = target.request(
+        "PATCH",
+        f"/api/v1/nodes/{name}/status",
+        {"status": {"conditions": conditions}},
+        content_type="application/merge-patch+json",
+    )
+    assert status == 200, (status, node)
+    return dict(node)
+
+
 _PLANES: dict[tuple[str, bool], Plane] = {}
 
 
@@ -384,4 +396,14 @@ def wait_for(what: str, predicate: Any, timeout: float = 30.0, every: float = 0.
         time.sleep(every)
 
 
-__all__ = ["RELEASES", "Plane", "binaries", "plane", "require_binaries", "stop_all", "wait_for"]
+__all__ = [
+    "RELEASES",
+    "Plane",
+    "Requester",
+    "binaries",
+    "plane",
+    "register_node",
+    "require_binaries",
+    "stop_all",
+    "wait_for",
+]

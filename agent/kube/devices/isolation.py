@@ -48,6 +48,11 @@ from agent.kube.node.policy import (
 from agent.snapshot import Snapshot
 from probes.text import clip
 
+# A device's `why` in the annotation (an API error message can be long), and the annotation's own budget of the
+# 256 KiB a Node's annotations may take in all.
+WHY_LIMIT = 300
+ANNOTATION_LIMIT = 32 * 1024
+
 FINE = ("dra", "public_fault")  # isolated on the device itself
 MECHANISMS = ("dra", "public_fault", "node", "prefer", "none", "withheld")
 _DEVICE_NAME = re.compile(r"^(npu|gpu)(\d+)$")
@@ -105,7 +110,7 @@ class Isolation:
         if self.codes:
             out["codes"] = sorted(set(self.codes.values()))
         if self.why:
-            out["why"] = self.why
+            out["why"] = clip(self.why, WHY_LIMIT)
         if self.want is None:
             out["held"] = True
         return out
@@ -282,9 +287,17 @@ def _condition(intent: ConditionIntent, notes: list[str], counts: str) -> Condit
 
 
 def annotation_value(isolations: Sequence[Isolation]) -> str | None:
+    """The `<prefix>/isolated-devices` value: a JSON list, one entry per device. Checked before it is sent: the API
+    server refuses a Node whose annotations pass 256 KiB in all, so past ANNOTATION_LIMIT (far more than 16
+    chips at their longest need) the entries lose their `why` and rule names, which /status still gives."""
     if not isolations:
         return None
-    return json.dumps([i.to_dict() for i in sorted(isolations, key=lambda i: i.ref)], separators=(",", ":"))
+    entries = [i.to_dict() for i in sorted(isolations, key=lambda i: i.ref)]
+    value = json.dumps(entries, separators=(",", ":"))
+    if len(value.encode()) > ANNOTATION_LIMIT:
+        compact = [{k: v for k, v in entry.items() if k not in ("why", "rules")} for entry in entries]
+        value = json.dumps(compact, separators=(",", ":"))
+    return value
 
 
 def adjust_desired(

@@ -34,6 +34,8 @@ from probes.base import CATEGORIES
 from probes.text import clip
 
 TAINT_SUPPRESSED = "TaintSuppressedByBudget"
+# kube-apiserver refuses (422) an object whose annotations, keys and values together, pass this many bytes.
+ANNOTATIONS_LIMIT = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,9 @@ def _node_patch(
     label_patch = {key: value for key, value in wanted_labels.items() if labels.get(key) != value}
     annotations = metadata.get("annotations") or {}
     annotation_patch = {key: value for key, value in desired.annotations if annotations.get(key) != value}
+    withheld = _over_annotation_limit(annotations, annotation_patch)
+    for key in withheld:
+        del annotation_patch[key]
     if not taints.changed and not label_patch and not annotation_patch:
         return None, ""
     patch: dict[str, Any] = {"metadata": {"resourceVersion": metadata.get("resourceVersion")}}
@@ -207,7 +212,20 @@ def _node_patch(
     parts = [f"+taint {t}" for t in sorted(after - before)] + [f"-taint {t}" for t in sorted(before - after)]
     parts += [f"label {k}={v}" if v is not None else f"-label {k}" for k, v in label_patch.items()]
     parts += [f"annotation {k}" if v is not None else f"-annotation {k}" for k, v in annotation_patch.items()]
+    parts += [
+        f"annotation {k} not written: the Node's annotations would pass {ANNOTATIONS_LIMIT} bytes" for k in withheld
+    ]
     return patch, ", ".join(parts) or "taint order"
+
+
+def _over_annotation_limit(current: Mapping[str, Any], patch: Mapping[str, str | None]) -> list[str]:
+    """The patched annotations that would take the Node's past the API server's 256 KiB (keys and values, all
+    together; it refuses the whole write with 422): checked before sending, so taints and labels still go."""
+    after = {**current, **patch}
+    total = sum(len(k.encode()) + len(str(v).encode()) for k, v in after.items() if v is not None)
+    if total <= ANNOTATIONS_LIMIT:
+        return []
+    return [k for k, v in patch.items() if v is not None]
 
 
 def _suppressed_intent(
@@ -287,7 +305,19 @@ def _plan_conditions(
     change = ", ".join(
         f"{i['type']}=" + ("(removed)" if i.get("$patch") else f"{i['status']}/{i['reason']}") for i in items
     )
-    return {"status": {"conditions": items}}, change, tuple(events)
+    return _ordered(items, list(existing)), change, tuple(events)
+
+
+def _ordered(items: list[dict[str, Any]], current: list[Any]) -> dict[str, Any]:
+    """The conditions patch with `$setElementOrder/conditions`: every condition where it is (foreign ones untouched,
+    in place), new ones after them. Without it kube-apiserver's strategic merge puts the patched conditions before
+    the others; with it the patch's own items must come in the same order (else 500)."""
+    removed = {i["type"] for i in items if i.get("$patch") == "delete"}
+    order = [t for t in current if t not in removed]
+    order += [i["type"] for i in items if i["type"] not in removed and i["type"] not in order]
+    position = {t: n for n, t in enumerate(order)}
+    items = sorted(items, key=lambda i: position.get(i["type"], len(order)))
+    return {"status": {"$setElementOrder/conditions": [{"type": t} for t in order], "conditions": items}}
 
 
 # --- cleanup ---------------------------------------------------------------------------------------
