@@ -180,7 +180,7 @@ def test_a_budget_node_selector_loads_exactly_when_the_real_server_parses_it(dou
     parses label selectors with; the double refuses what the real server refuses."""
     from urllib.parse import quote
 
-    from agent.config import label_selector_problem
+    from agent.labelselector import label_selector_problem
 
     path = f"/api/v1/nodes?labelSelector={quote(selector)}"
     (real_status, real), (fake_status, _fake) = _each(_targets(double), "GET", path)
