@@ -4,6 +4,7 @@ at the deadline, and the tool's exit taken as its completion even when a grandch
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import selectors
 import signal
@@ -13,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from probes.runtime.cpulimit import preexec
+from probes.runtime.cpulimit import tool_spawn
 
 
 @dataclass(frozen=True)
@@ -228,22 +229,50 @@ def _start(
     argv: tuple[str, ...], env: dict[str, str] | None, started: float
 ) -> subprocess.Popen[bytes] | CommandResult:
     """The running tool in its own process group, or the result of a tool that could not start."""
+    program = _resolve(argv[0], env)
+    if isinstance(program, OSError):
+        return _not_started(argv, program, started)
+    spawned, preexec = tool_spawn((program, *argv[1:]))  # into the work cgroup before it runs (cpulimit)
     try:
         return subprocess.Popen(
-            argv,
+            spawned,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
             env=env,
-            preexec_fn=preexec(),  # into the work cgroup before exec (probes.runtime.cpulimit)
+            preexec_fn=preexec,
         )
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        return CommandResult(argv, None, "", str(exc), time.monotonic() - started, not_found=True)
-    except PermissionError as exc:
-        return CommandResult(argv, None, "", str(exc), time.monotonic() - started, permission_denied=True)
-    except OSError as exc:  # ENOEXEC and the like: the tool cannot run at all
-        return CommandResult(argv, None, "", f"cannot run {argv[0]}: {exc}", time.monotonic() - started)
+    except OSError as exc:
+        return _not_started(argv, exc, started)
+
+
+def _resolve(name: str, env: dict[str, str] | None) -> str | OSError:
+    """The program `name` names, as execvp would find it on the tool's PATH; the error exec would give where
+    there is none. Found here, not by the shell that may start it, so a missing tool reads the same either way."""
+    if os.sep in name:
+        candidates = [name]
+    else:
+        path = (env if env is not None else os.environ).get("PATH", os.defpath)
+        candidates = [os.path.join(folder or ".", name) for folder in path.split(os.pathsep)]
+    denied = None
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            if os.access(candidate, os.X_OK):
+                return candidate
+            denied = candidate
+    if denied is not None:
+        return PermissionError(errno.EACCES, os.strerror(errno.EACCES), denied)
+    return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+
+
+def _not_started(argv: tuple[str, ...], exc: OSError, started: float) -> CommandResult:
+    elapsed = time.monotonic() - started
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        return CommandResult(argv, None, "", str(exc), elapsed, not_found=True)
+    if isinstance(exc, PermissionError):
+        return CommandResult(argv, None, "", str(exc), elapsed, permission_denied=True)
+    return CommandResult(argv, None, "", f"cannot run {argv[0]}: {exc}", elapsed)  # ENOEXEC and the like
 
 
 def _close_pipes(proc: subprocess.Popen[bytes]) -> None:

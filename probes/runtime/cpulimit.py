@@ -6,7 +6,7 @@ the kernel then stops every thread of the container (the HTTP loop that answers 
 refill. So where the agent may (root, a writable cgroup of its own: the privileged DaemonSet), `confine()` makes
 a child cgroup `work` whose quota is the limit less the server's headroom (`work_millicores`), and every child
 the probes start (`probes.runtime.commands`' host tools, `probes.runtime.children`' forked filesystem calls,
-`probes.runtime.fdscan`'s scanners) moves itself there before it does anything (`enter_work`, `preexec`);
+`probes.runtime.fdscan`'s scanners) moves itself there before it does anything (`enter_work`, `tool_spawn`);
 a new kind of child spawned through those three gets it with no change. The PodResources ledger reader is the
 one child that stays with the agent: it answers /ready?pod=, the serving path itself.
 The children then wait for their own refills while the container keeps the headroom for the agent. On cgroup
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,11 +250,26 @@ def enter_work() -> None:
             os.close(fd)
 
 
-def preexec() -> Callable[[], None] | None:
-    """Popen's preexec_fn for a host tool: `enter_work` between fork and exec, so the tool and all it forks are
-    in the work cgroup from their first instruction; None where there is no work cgroup (Popen then spawns
-    without running Python in the child)."""
-    return enter_work if _work_procs is not None else None
+# The shell a host tool is started through where there is a work cgroup: it writes its own pid into the work
+# cgroup's cgroup.procs (a builtin, no fork) and then becomes the tool, so the tool is in the work cgroup from
+# its first instruction. Not Popen's preexec_fn: running Python in the forked child makes Popen fork the whole
+# agent instead of vfork, and the page-table copy plus the child's Python before it moves (about 3 ms a tool on a
+# 120 MB agent) land in the server's cgroup, hundreds of times per npu run on a 16-chip node. The shell costs the
+# server's cgroup about a fifth of that (benchmarks/spawn_cost.py). A failed write leaves the tool where the agent
+# is, as before, without a word on the tool's stderr.
+SHELL = "/bin/sh"
+_ENTER_AND_EXEC = '{ echo $$ >%s; } 2>/dev/null; exec "$0" "$@"'
+
+
+def tool_spawn(argv: tuple[str, ...]) -> tuple[tuple[str, ...], Callable[[], None] | None]:
+    """How to start the host tool `argv` (its program a resolved path) in the work cgroup: the argv and the
+    preexec_fn for Popen. Through SHELL where there is a work cgroup; without a shell, `enter_work` between fork and
+    exec (the dearer way); unchanged where there is no work cgroup (spawned as if there were no limit)."""
+    if _work_procs is None:
+        return argv, None
+    if not os.access(SHELL, os.X_OK):
+        return argv, enter_work
+    return (SHELL, "-c", _ENTER_AND_EXEC % shlex.quote(os.fsdecode(_work_procs)), *argv), None
 
 
 def limit_note() -> str:
