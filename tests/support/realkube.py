@@ -64,6 +64,27 @@ def require_binaries(release: str) -> Path:
     return found
 
 
+def raw_request(
+    url: str, method: str, body: Any, token: str, content_type: str = "", context: ssl.SSLContext | None = None
+) -> tuple[int, Any]:
+    """One call as a client sends it (status, decoded JSON answer, else the text), to a real server or the
+    double alike (tests/support/realkube_compare.py)."""
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+    if data is not None:
+        headers["Content-Type"] = content_type or "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30, context=context) as answer:
+            status, raw = answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
 def gates(release: str, taint_rules: bool) -> str:
     """The feature gates for device taints on `release`: on (DRADeviceTaints and, from 1.36, DRADeviceTaintRules)
     or off."""
@@ -101,23 +122,10 @@ class Plane:
         self, method: str, path: str, body: Any = None, token: str = ADMIN_TOKEN, content_type: str = ""
     ) -> tuple[int, Any]:
         """One raw call (status, decoded JSON answer): for the tests that compare codes and shapes."""
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = content_type or "application/json"
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-        try:
-            with urllib.request.urlopen(req, timeout=30, context=context) as answer:
-                status, raw = answer.status, answer.read()
-        except urllib.error.HTTPError as error:
-            status, raw = error.code, error.read()
-        try:
-            return status, json.loads(raw) if raw else None
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        return raw_request(self.url + path, method, body, token, content_type, context)
 
     def kubectl(self, *args: str, check: bool = True, token: str = "") -> subprocess.CompletedProcess[str]:
         argv = ["kubectl", "--kubeconfig", str(self.kubeconfig), *args]

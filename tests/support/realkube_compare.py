@@ -3,13 +3,10 @@ can compare their status codes and answers' shapes: the double must not drift fr
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 from support.kube_double import ApiDouble
-from support.realkube import ADMIN_TOKEN, Requester
+from support.realkube import ADMIN_TOKEN, Requester, raw_request
 
 
 class Double:
@@ -21,17 +18,7 @@ class Double:
     def request(
         self, method: str, path: str, body: Any = None, token: str = ADMIN_TOKEN, content_type: str = ""
     ) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = content_type or "application/json"
-        req = urllib.request.Request(self.api.host + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as answer:
-                status, raw = answer.status, answer.read()
-        except urllib.error.HTTPError as error:
-            status, raw = error.code, error.read()
-        return status, json.loads(raw) if raw else None
+        return raw_request(self.api.host + path, method, body, token, content_type)
 
 
 def shape(answer: Any) -> Any:
