@@ -272,6 +272,14 @@ def tool_spawn(argv: tuple[str, ...]) -> tuple[tuple[str, ...], Callable[[], Non
     return (SHELL, "-c", _ENTER_AND_EXEC % shlex.quote(os.fsdecode(_work_procs)), *argv), None
 
 
+def children_millicores() -> int | None:
+    """The CPU the probes' children may use at once: the work cgroup's quota where there is one, else the
+    container's limit; None where neither limits them (how many scanners a holder scan forks)."""
+    confinement = _active if _active is not None else observe()
+    work = confinement.work_millicores()
+    return work if work is not None else confinement.limit_millicores()
+
+
 def limit_note() -> str:
     """For the message of work that did not finish: the CPU limit it ran under, "" where there is none."""
     confinement = _active if _active is not None else observe()

@@ -10,7 +10,8 @@ major:minor, which `fuser` on the host path misses), regular files by (st_dev, s
 A device scan also reads each process's /proc/PID/maps for the device nodes it has mapped with no fd left open
 (`probes.runtime.mapscan`), in the same scanner, after that process's fds.
 
-The scan runs in forked scanners, never on an agent thread. A scanner reports its progress through shared
+The scan runs in forked scanners, never on an agent thread: one per CPU the children may use (`scanner_count`),
+each over an interleaved share of the processes. A scanner reports its progress through shared
 memory and its findings through a pipe as it goes; one that makes no progress for a while (a filesystem that
 ignores AT_STATX_DONT_SYNC, or a kernel without statx) is killed, the process it was reading is named as
 unreadable, and a new scanner carries on after it: what was read is kept, and one bad mount blinds nothing else.
@@ -34,12 +35,13 @@ import struct
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from probes.runtime.children import drop_inherited_fds, try_reap
-from probes.runtime.cpulimit import enter_work
+from probes.runtime.cpulimit import children_millicores, enter_work
 from probes.runtime.fdtable import PROGRESS, STATX_AVAILABLE, ProcessTexts, ScanRequest, list_pids, scan_fds
 
 if TYPE_CHECKING:
@@ -195,6 +197,23 @@ class _Tally:
     counters: dict[str, int]
     unreadable: list[UnreadableProcess]
     texts: dict[int, ProcessTexts] = field(default_factory=dict)
+    unscanned: int = 0  # processes not reached before the deadline
+
+
+# A scan's processes are shared among up to this many scanners, one per CPU its children may use, each with
+# at least MIN_PIDS_PER_SCANNER processes (a fork is not worth fewer). Under a CPU limit of less than two cores
+# (the DaemonSet's) there is one: more would only share the same quota.
+MAX_SCANNERS = 4
+MIN_PIDS_PER_SCANNER = 400
+
+
+def scanner_count(processes: int) -> int:
+    """How many scanners share a scan of `processes` processes."""
+    cpus = len(os.sched_getaffinity(0))
+    millicores = children_millicores()
+    if millicores is not None:
+        cpus = min(cpus, max(1, millicores // 1000))
+    return max(1, min(MAX_SCANNERS, cpus, processes // MIN_PIDS_PER_SCANNER))
 
 
 def _scan_all(request: ScanRequest, key: str, deadline: float, stall: float, started: float) -> ScanResult:
@@ -207,12 +226,46 @@ def _scan_all(request: ScanRequest, key: str, deadline: float, stall: float, sta
         raise ScanTimeout(f"scan of {request.proc_dir}/*/fd: {len(lingering)} earlier scanners still stuck")
     with _SCAN_LOCKS_GUARD:
         avoided = {stuck for _, stuck in _LINGERING.get(key, [])}
-    counters = ("vanished", "permission_denied", "fds", "skipped", "maps_truncated", "maps_denied")
-    tally = _Tally([], dict.fromkeys(counters, 0), [])
-    for pid in avoided & set(pids):
-        tally.unreadable.append(_unreadable(request.proc_dir, pid, "an earlier scanner is still stuck on it"))
     remaining = [pid for pid in pids if pid not in avoided]
-    unscanned = 0
+    count = scanner_count(len(remaining))
+    # Interleaved, not in runs: neighbouring pids (one pod's processes, a busy service's workers) cost alike.
+    shards = [remaining[index::count] for index in range(count)]
+    if count == 1:
+        tallies = [_scan_shard(request, key, shards[0], deadline, stall)]
+    else:
+        with ThreadPoolExecutor(count - 1, thread_name_prefix="fdscan") as pool:
+            others = [pool.submit(_scan_shard, request, key, shard, deadline, stall) for shard in shards[1:]]
+            tallies = [_scan_shard(request, key, shards[0], deadline, stall)]
+            tallies += [future.result() for future in others]
+    stuck = [pid for pid in pids if pid in avoided]
+    unreadable = [_unreadable(request.proc_dir, pid, "an earlier scanner is still stuck on it") for pid in stuck]
+    unreadable += [process for tally in tallies for process in tally.unreadable]
+    counters = {name: sum(tally.counters.get(name, 0) for tally in tallies) for name in _COUNTERS}
+    position = {pid: index for index, pid in enumerate(pids)}
+    matches = sorted((m for tally in tallies for m in tally.matches), key=lambda m: position.get(m.pid, -1))
+    unscanned = sum(tally.unscanned for tally in tallies)
+    return ScanResult(
+        matches=tuple(matches),
+        vanished=counters["vanished"],
+        permission_denied=counters["permission_denied"],
+        processes=len(pids) - unscanned - len(unreadable),
+        fds=counters["fds"],
+        duration=time.monotonic() - started,
+        unreadable=tuple(unreadable),
+        unscanned=unscanned,
+        skipped=counters["skipped"],
+        maps_truncated=counters["maps_truncated"],
+        maps_denied=counters["maps_denied"],
+        texts={pid: texts for tally in tallies for pid, texts in tally.texts.items()},
+    )
+
+
+_COUNTERS = ("vanished", "permission_denied", "fds", "skipped", "maps_truncated", "maps_denied")
+
+
+def _scan_shard(request: ScanRequest, key: str, remaining: list[int], deadline: float, stall: float) -> _Tally:
+    """One scanner after another over `remaining`: a stalled one is replaced after the process it was stuck on."""
+    tally = _Tally([], dict.fromkeys(_COUNTERS, 0), [])
     while remaining:
         outcome = _run_scanner(request, remaining, deadline, stall)
         tally.matches.extend(outcome.matches)
@@ -229,22 +282,9 @@ def _scan_all(request: ScanRequest, key: str, deadline: float, stall: float, sta
             tally.unreadable.append(_unreadable(request.proc_dir, remaining[outcome.index], why))
             remaining = remaining[outcome.index + 1 :]
             continue
-        unscanned = len(remaining) - outcome.index
+        tally.unscanned = len(remaining) - outcome.index
         break
-    return ScanResult(
-        matches=tuple(tally.matches),
-        vanished=tally.counters["vanished"],
-        permission_denied=tally.counters["permission_denied"],
-        processes=len(pids) - unscanned - len(tally.unreadable),
-        fds=tally.counters["fds"],
-        duration=time.monotonic() - started,
-        unreadable=tuple(tally.unreadable),
-        unscanned=unscanned,
-        skipped=tally.counters["skipped"],
-        maps_truncated=tally.counters["maps_truncated"],
-        maps_denied=tally.counters["maps_denied"],
-        texts=tally.texts,
-    )
+    return tally
 
 
 def _unreadable(proc_dir: str, pid: int, why: str) -> UnreadableProcess:

@@ -20,6 +20,7 @@ import pytest
 from support.fusefs import fuse_mount
 from support.system import fuse_capable, require, require_root
 
+from probes.runtime import fdscan
 from probes.runtime.holders import DeviceScan, device_holders
 from probes.runtime.host import Host
 from probes.runtime.procfs import (
@@ -402,3 +403,55 @@ def test_a_scan_past_its_deadline_says_what_it_did_not_reach() -> None:
 def test_scan_of_a_missing_proc_is_a_scan_error(tmp_path: Path) -> None:
     with pytest.raises(ScanError, match="cannot list"):
         scan_open_files(Host(proc=tmp_path / "absent"), rdevs=[1], timeout=5, partial=True)
+
+
+def test_scanners_one_per_core_the_children_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    for millicores, processes, expected in [
+        (None, 10_000, fdscan.MAX_SCANNERS),  # no limit: the CPUs, at most MAX_SCANNERS
+        (400, 10_000, 1),  # the DaemonSet's 500m: its children's 400m share one core
+        (1600, 10_000, 1),
+        (2000, 10_000, 2),
+        (None, 1_000, 2),  # at least MIN_PIDS_PER_SCANNER processes each
+        (None, 100, 1),
+    ]:
+        monkeypatch.setattr(fdscan, "children_millicores", lambda m=millicores: m)
+        assert fdscan.scanner_count(processes) == expected, (millicores, processes)
+
+
+@pytest.mark.system
+def test_several_scanners_find_what_one_finds(holder, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, davinci, _copy, regular, _port = holder
+    rdevs = device_rdevs(davinci.parent, ["davinci[0-9]*", "davinci_manager"])
+    regular_st = os.stat(regular)
+    wanted = {"rdevs": rdevs, "inodes": [(regular_st.st_dev, regular_st.st_ino)], "mappings": True}
+    one = scan_open_files(Host(), timeout=20, **wanted)  # type: ignore[arg-type]
+    monkeypatch.setattr(fdscan, "scanner_count", lambda _processes: 3)
+    three = scan_open_files(Host(), timeout=20, **wanted)  # type: ignore[arg-type]
+    mine = sorted((m.key, m.fd, m.target) for m in three.matches if m.pid == proc.pid)
+    assert mine == sorted((m.key, m.fd, m.target) for m in one.matches if m.pid == proc.pid) and len(mine) >= 2
+    assert three.complete and proc.pid in three.texts
+    assert abs(three.processes - one.processes) < 20  # the machine's own processes come and go
+    pids = [m.pid for m in three.matches]
+    order = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    assert pids == sorted(pids, key=lambda pid: order.index(pid) if pid in order else -1)  # in /proc's order
+
+
+@pytest.mark.system
+def test_with_several_scanners_a_stuck_process_costs_only_itself(
+    tmp_path: Path, holder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc, _davinci, _copy, regular, _port = holder
+    regular_st = os.stat(regular)
+    monkeypatch.setattr(fdscan, "scanner_count", lambda _processes: 3)
+    with _holder_on_hung_fuse(tmp_path / "fuse") as stuck:
+        result = scan_open_files(
+            Host(), inodes=[(regular_st.st_dev, regular_st.st_ino)], timeout=20, partial=True, stall_seconds=0.5,
+            use_statx=False,
+        )  # fmt: skip
+    assert [u.pid for u in result.unreadable] == [stuck.pid] and result.unscanned == 0, result.unreadable
+    assert [m.pid for m in result.matches if m.key[0] == "inode"] == [proc.pid]
+    deadline = time.monotonic() + 10
+    while lingering_scanners() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lingering_scanners() == []
