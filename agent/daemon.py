@@ -16,6 +16,7 @@ from agent.configcompat import ConfigNotes
 from agent.configfile import ConfigFileError, read_bounded
 from agent.http.addresses import NodeAddresses
 from agent.http.pod import PodLedger
+from agent.http.process import ServerProcess
 from agent.http.routes import HttpServer
 from agent.kube.pods import PodFeed
 from agent.logs import HealthLog, configure_logging
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_POLL_SECONDS = 5.0
 HEALTHZ_TICK_AGE = 10.0
+STARTUP_GRACE_SECONDS = 120.0  # the most the agent's process stays out of the work cgroup after start
 
 
 def raise_fd_limit() -> int:
@@ -99,6 +101,7 @@ class Agent:
         no_kube: bool = False,
         probe_classes: dict[str, type[Probe]] | None = None,
         cpu: cpulimit.Confinement | None = None,
+        http_process: bool = False,
     ) -> None:
         self.config_path = config_path
         # The container's CPU limit and the work cgroup the probes' children run in (run_daemon confines).
@@ -125,25 +128,40 @@ class Agent:
             lambda: self.config.kubernetes.pod_resources_timeout_seconds,
             lambda: self.pods,
         )
-        self.http = HttpServer(
-            self.state,
-            self.metrics.render,
-            self.healthz,
-            self.known_checks,
-            self.status_extra,
-            address=config.http.address,
-            port=config.http.port,
-            max_wait=config.http.max_wait_seconds,
-            metrics_port=config.http.metrics_port or None,
-            status_on_main_port=status_on_main_port(config.http),
-            pod_ledger=self.pod_ledger,
-            health_port=config.http.health_port or None,
-            node_addresses=NodeAddresses(config.section(HostConfig).proc),
-        )
-        self.metrics.collector.add_source(self.http.samples)
+        self.http = self._server(config, http_process)
         self._stop = threading.Event()
         self._reload_requested = threading.Event()
         self._watcher = ConfigWatcher(config_path)
+
+    def _server(self, config: Config, in_process_of_its_own: bool) -> HttpServer | ServerProcess:
+        common: dict[str, Any] = {
+            "address": config.http.address,
+            "port": config.http.port,
+            "max_wait": config.http.max_wait_seconds,
+            "metrics_port": config.http.metrics_port or None,
+            "status_on_main_port": status_on_main_port(config.http),
+            "health_port": config.http.health_port or None,
+        }
+        views = (self.state, self.metrics.render, self.healthz, self.known_checks, self.status_extra)
+        if in_process_of_its_own:
+            # The daemon's way: the server in a process of its own (agent/http/serving.py), out of this one's GIL
+            # and, once this process joins the work cgroup (run_daemon), out of its CPU quota.
+            return ServerProcess(
+                *views,
+                **common,
+                proc=config.section(HostConfig).proc,
+                pod_ledger=self.pod_ledger,
+                logging_setup=(config.logging.format, config.logging.level),
+                cgroup_procs=self.cpu.serving_procs,
+            )
+        server = HttpServer(
+            *views,
+            **common,
+            pod_ledger=self.pod_ledger,
+            node_addresses=NodeAddresses(config.section(HostConfig).proc),
+        )
+        self.metrics.collector.add_source(server.samples)
+        return server
 
     # --- views for HTTP --------------------------------------------------------------------------
 
@@ -216,15 +234,14 @@ class Agent:
 
     def start(self) -> None:
         self._log_config_notes()
-        port = self.http.start()
-        log.info("serving on %s:%d %s", self.config.http.address, port, ", ".join(self.http.main_routes))
-        if self.http.metrics_port is not None:
-            routes = ", ".join(self.http.metrics_routes)
-            log.info("serving on %s:%d %s", self.config.http.address, self.http.metrics_port, routes)
-        if self.http.health_port is not None:
-            routes = ", ".join(self.http.health.routes)
-            address, port = self.config.http.address, self.http.health_port
-            log.info("serving on %s:%d %s (the kubelet's probes)", address, port, routes)
+        self.http.start()
+        listening = self.http.listening()
+        for served in listening["ports"]:
+            note = " (the kubelet's probes)" if served["routes"] == ["/healthz", "/started"] else ""
+            routes = ", ".join(served["routes"])
+            log.info("serving on %s:%d %s%s", self.config.http.address, served["port"], routes, note)
+        if isinstance(self.http, ServerProcess):
+            log.info("the HTTP server runs in process %d", self.http.pid)
         self._log_cpu()
         self.scheduler.start()
         if self.config.kubernetes.enabled and not self.no_kube:
@@ -235,6 +252,21 @@ class Agent:
             self.kube = KubeAgent(self.config, self.config.resolved_node_name, self.state.current)
             self.kube.start()
             self.pods.connect(self.kube.pods)
+
+    def join_work_when_started(self, poll: float = 0.5, give_up: float = STARTUP_GRACE_SECONDS) -> bool:
+        """Move this process into the work cgroup once every probe has run once (or `give_up` seconds passed): from
+        then on the server's process keeps the headroom, and this one and its children share the rest. Not before:
+        every probe's first run at once, and the Kubernetes client's start, would take the first holder scan's share
+        of the work quota, and the scan its deadline (benchmarks/pod_quota.py); /ready says warming up meanwhile."""
+        deadline = time.monotonic() + give_up
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if all(probe.last_run is not None for probe in self.state.current().probes):
+                break
+            self._stop.wait(poll)
+        if self._stop.is_set() or not cpulimit.join_work():
+            return False
+        log.info("the agent's process joined %s", self.cpu.work.path if self.cpu.work is not None else "work")
+        return True
 
     def _log_cpu(self) -> None:
         cpu = self.cpu
@@ -353,12 +385,14 @@ def run_daemon(config_path: str | None, config: Config, no_kube: bool) -> int:
     raise_fd_limit()
     limit_malloc_arenas()
     cpu = cpulimit.confine()  # before the first child: every later one runs in the work cgroup
-    agent = Agent(config_path, config, no_kube=no_kube, cpu=cpu)
+    agent = Agent(config_path, config, no_kube=no_kube, cpu=cpu, http_process=True)
     agent.install_signal_handlers()
     try:
         agent.start()
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1
+    if cpu.work is not None:
+        threading.Thread(target=agent.join_work_when_started, name="join-work", daemon=True).start()
     agent.serve_forever()
     return 0

@@ -35,6 +35,17 @@ HISTORY_MAX = 50
 READINESS_REASONS_SHOWN = 3
 
 
+def judged_now(snapshot: Snapshot, now_mono: float, clock: Callable[[], float] = time.time) -> Snapshot:
+    """`snapshot` as it reads at `now_mono`: itself while every result in it is fresh; past its validity an aged view
+    (same version, the results past their limit stale, the verdict judged again). The monotonic clock is the
+    host's, so the HTTP server's process judges the agent's snapshots by the same rule (agent/http/serving.py)."""
+    if now_mono <= snapshot.valid_until:
+        return snapshot
+    checks = tuple(state.aged(now_mono) for state in snapshot.checks)
+    verdict = evaluate(checks, snapshot.required, clock())
+    return replace(snapshot, checks=checks, verdict=verdict, valid_until=math.inf, aged=True)
+
+
 class TransitionSink(Protocol):
     """Where transitions go besides the snapshot (the daemon's log: agent/logs.py HealthLog). Called from the
     publishing thread, under the state's lock: must not block."""
@@ -307,13 +318,7 @@ class HealthState:
         """The snapshot with freshness judged now: the one way readers get it, so a wedged scheduler that
         stops publishing cannot leave an old 'ready' standing. Past the published snapshot's validity it is
         an aged view (same version, the results past their limit stale, the verdict judged again)."""
-        snapshot = self._snapshot
-        now_mono = self._mono()
-        if now_mono <= snapshot.valid_until:
-            return snapshot
-        checks = tuple(state.aged(now_mono) for state in snapshot.checks)
-        verdict = evaluate(checks, snapshot.required, self._clock())
-        return replace(snapshot, checks=checks, verdict=verdict, valid_until=math.inf, aged=True)
+        return judged_now(self._snapshot, self._mono(), self._clock)
 
     def subscribe(self, listener: Callable[[Snapshot], None]) -> None:
         """Called (from the publishing thread) with each new snapshot; must not block."""

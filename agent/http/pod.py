@@ -25,11 +25,13 @@ What the query does with an unresolved pod (fall back to devices=, or not ready)
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from agent.ready import echo
 from agent.reasons import LEDGER_STALE, LEDGER_UNAVAILABLE, POD_DEVICES_UNKNOWN, POD_NOT_IN_LEDGER
@@ -57,6 +59,8 @@ LEDGER_WAIT_SECONDS = 1.0
 MAX_IDS_SHOWN = 32
 
 POD_CHECK = Check("ready.pod")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,73 @@ class PodLedger:
             self._seen.update(ascend, read.read_at or time.time())
             self._dated = read.read_mono
         return pods
+
+
+class PodSource(Protocol):
+    """Where /ready?pod= learns a pod's devices: `LocalPods` in the agent's own process, `RemotePods`
+    (agent/http/serving.py) in the HTTP server's process, which asks the agent."""
+
+    async def devices(self, namespace: str, name: str) -> PodDevices: ...
+
+
+class LocalPods:
+    """The ledger read from the HTTP loop's own process: a new read when the last one is over a second old, in a
+    thread (the read blocks on the reader child); every request waiting meanwhile waits for the same read, at most
+    LEDGER_WAIT_SECONDS: a slow or hung kubelet must not make the pre-flight's answer late (a pre-flight that gets
+    no answer may fail open). Past it the last read judges, and one too old is LedgerStale."""
+
+    def __init__(self, ledger: PodLedger, snapshot: Callable[[], Snapshot]) -> None:
+        self._ledger = ledger
+        self._snapshot = snapshot
+        self._refresh: asyncio.Future[None] | None = None
+
+    async def devices(self, namespace: str, name: str) -> PodDevices:
+        refresh = self._refresh
+        if refresh is None or refresh.done():
+            refresh = self._refresh = self._start_refresh() if self._ledger.due() else None
+        if refresh is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(refresh), LEDGER_WAIT_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+        return self._ledger.resolve(self._snapshot(), namespace, name)
+
+    def _start_refresh(self) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finish() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def read() -> None:
+            refresh_quietly(self._ledger)
+            try:
+                loop.call_soon_threadsafe(finish)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+        # A daemon thread, one at a time (the future is shared until it is done): an exit never waits for a
+        # hung kubelet.
+        threading.Thread(target=read, name="ready-ledger", daemon=True).start()
+        return done
+
+
+def refresh_quietly(ledger: PodLedger) -> None:
+    try:
+        ledger.refresh()
+    except Exception as exc:  # noqa: BLE001 - the last read stands; resolve() judges it
+        log.warning("reading the kubelet's ledger for /ready?pod= failed: %r", exc)
+
+
+def resolve_fresh(ledger: PodLedger, snapshot: Callable[[], Snapshot], namespace: str, name: str) -> PodDevices:
+    """LocalPods.devices for a thread of the agent's (blocks at most LEDGER_WAIT_SECONDS): what the agent answers
+    the HTTP server's process for a pod= query."""
+    if ledger.due():
+        reader = threading.Thread(target=refresh_quietly, args=(ledger,), name="ready-ledger", daemon=True)
+        reader.start()
+        reader.join(LEDGER_WAIT_SECONDS)
+    return ledger.resolve(snapshot(), namespace, name)
 
 
 def map_devices(

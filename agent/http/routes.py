@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Hashable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agent.http.addresses import NodeAddresses
 from agent.http.answers import METRICS_TYPE as METRICS_TYPE
@@ -37,11 +37,10 @@ from agent.http.answers import TEXT_REASONS_MAX as TEXT_REASONS_MAX
 from agent.http.answers import Scope, error_answer, json_answer, ready_body, ready_response
 from agent.http.answers import ready_text as ready_text
 from agent.http.limits import health_limits
-from agent.http.pod import LEDGER_WAIT_SECONDS, PodDevices, PodLedger, unavailable
+from agent.http.pod import LocalPods, PodDevices, PodLedger, PodSource, unavailable
 from agent.http.server import MAX_QUERY_FIELDS, Handler, HttpServerCore, Limits, Request, Response
 from agent.ready import BadQuery, ReadyQuery, judge, parse_ready_query, prefers_text, wants_text
 from agent.snapshot import Snapshot, Verdict
-from agent.state import HealthState
 from probes.base import Sample
 
 log = logging.getLogger(__name__)
@@ -53,10 +52,23 @@ SCRIPT_TYPE = "text/x-shellscript; charset=utf-8"
 STATUS_MAX_AGE_SECONDS = 1.0
 
 
+class MetricsUnavailable(Exception):
+    """What a metrics renderer raises when it has nothing current to give: /metrics answers 503 with it."""
+
+
+class StateView(Protocol):
+    """What the server reads the health state through: agent.state.HealthState in the agent's process, the
+    replica of it in the server's (agent/http/serving.py)."""
+
+    def current(self) -> Snapshot: ...
+
+    def subscribe(self, listener: Callable[[Snapshot], None]) -> None: ...
+
+
 class HttpServer:
     def __init__(
         self,
-        state: HealthState,
+        state: StateView,
         render_metrics: Callable[[], bytes],
         healthz: Callable[[], tuple[bool, dict[str, Any]]],
         known_checks: Callable[[], Collection[str]],
@@ -70,6 +82,8 @@ class HttpServer:
         metrics_port: int | None = None,
         status_on_main_port: bool = True,
         pod_ledger: PodLedger | None = None,
+        pod_source: PodSource | None = None,
+        remote_status: Callable[[], Awaitable[bytes | None]] | None = None,
         health_port: int | None = None,
         node_addresses: NodeAddresses | None = None,
     ) -> None:
@@ -78,7 +92,10 @@ class HttpServer:
         self._healthz = healthz
         self._known_checks = known_checks
         self._status_extra = status_extra
-        self._pod_ledger = pod_ledger
+        # /status rendered elsewhere (the agent's process, agent/http/serving.py): this server adds its own figures.
+        self._remote_status = remote_status
+        # /ready?pod=: the ledger read here (LocalPods), or asked of the agent's process (agent/http/serving.py).
+        self._pods = pod_source or (LocalPods(pod_ledger, state.current) if pod_ledger is not None else None)
         self.address = address
         self.port = port
         self.metrics_port = metrics_port
@@ -97,7 +114,6 @@ class HttpServer:
         self.health = HttpServerCore(common, health_limits(), self.node_addresses.is_node)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future[None] | None = None
-        self._ledger_refresh: asyncio.Future[None] | None = None
         self._plain_cache: tuple[int, bytes, float] | None = None
         self._status_cache: tuple[Hashable, float, bytes] | None = None
         self._thread: threading.Thread | None = None
@@ -282,10 +298,8 @@ class HttpServer:
         self.long_polls -= 1
 
     async def _ready_after_ledger(self, query: ReadyQuery) -> Response:
-        await self._fresh_ledger()
-        snapshot = self._state.current()
         try:
-            verdict, scope = self._judge(snapshot, query)
+            snapshot, verdict, scope = await self._judge(query)
         except BadQuery as exc:
             return error_answer(400, str(exc), query.text)
         if verdict.ready or query.wait <= 0:
@@ -309,82 +323,41 @@ class HttpServer:
                     await asyncio.wait_for(asyncio.shield(self._changed), min(remaining, 1.0))
                 except asyncio.TimeoutError:
                     pass
-            if query.pod is not None:
-                await self._fresh_ledger()  # the ledger changes without a new snapshot
             snapshot = self._state.current()
             unchanged = snapshot.version == judged_version and not snapshot.aged and query.pod is None
             if unchanged and remaining > 1.0:
-                continue  # nothing new to judge
-            judged_version = snapshot.version
+                continue  # nothing new to judge (the ledger changes without a new snapshot: pod= judges again)
             try:
-                verdict, scope = self._judge(snapshot, query)
+                snapshot, verdict, scope = await self._judge(query)
             except BadQuery as exc:
                 return error_answer(400, str(exc), query.text)
+            judged_version = snapshot.version
             if verdict.ready or time.monotonic() >= deadline or self._changed is None:
                 return ready_response(snapshot.node, verdict, query.text, scope)
 
-    def _judge(self, snapshot: Snapshot, query: ReadyQuery) -> tuple[Verdict, Scope | None]:
-        """The verdict, and for pod= what it judged: the pod's devices from the ledger; failing that, devices= when
-        given; failing that, not ready with the reason, beside the node-wide reasons."""
+    async def _judge(self, query: ReadyQuery) -> tuple[Snapshot, Verdict, Scope | None]:
+        """The snapshot judged, the verdict, and for pod= what it judged: the pod's devices from the ledger; failing
+        that, devices= when given; failing that, not ready with the reason, beside the node-wide reasons."""
         if query.pod is None:
-            return judge(snapshot, query), None
-        found = self._resolve_pod(snapshot, *query.pod)
+            snapshot = self._state.current()
+            return snapshot, judge(snapshot, query), None
+        found = await self._pod_devices(*query.pod)
+        snapshot = self._state.current()
         if found.known:
             scoped = replace(query, device_indices=None, device_ids=(), device_keys=found.devices)
-            return judge(snapshot, scoped), Scope(found.to_dict(), found.describe())
+            return snapshot, judge(snapshot, scoped), Scope(found.to_dict(), found.describe())
         if query.devices_given:
-            return judge(snapshot, query), Scope(found.to_dict(fallback=True), found.describe(fallback=True))
+            scope = Scope(found.to_dict(fallback=True), found.describe(fallback=True))
+            return snapshot, judge(snapshot, query), scope
         node_wide = judge(snapshot, replace(query, device_indices=None, device_ids=(), device_keys=frozenset()))
         assert found.reason is not None
         reasons = (found.reason, *node_wide.reasons)
-        return Verdict(False, reasons, node_wide.age_seconds), Scope(found.to_dict(), found.describe())
+        return snapshot, Verdict(False, reasons, node_wide.age_seconds), Scope(found.to_dict(), found.describe())
 
-    def _resolve_pod(self, snapshot: Snapshot, namespace: str, name: str) -> PodDevices:
-        if self._pod_ledger is None:
+    async def _pod_devices(self, namespace: str, name: str) -> PodDevices:
+        if self._pods is None:
             return unavailable(namespace, name, "this server was started without the kubelet's ledger")
-        return self._pod_ledger.resolve(snapshot, namespace, name)
-
-    async def _fresh_ledger(self) -> None:
-        """A new ledger read when the last one is over a second old, in a thread (the read blocks on the reader
-        child); every request waiting meanwhile waits for the same read, at most LEDGER_WAIT_SECONDS: a slow or
-        hung kubelet must not make the pre-flight's answer late (a pre-flight that gets no answer may fail open).
-        Past it the last read judges, and one too old is LedgerStale."""
-        ledger = self._pod_ledger
-        if ledger is None:
-            return
-        refresh = self._ledger_refresh
-        if refresh is None or refresh.done():
-            if not ledger.due():
-                return
-            refresh = self._ledger_refresh = self._start_refresh(ledger)
-        try:
-            await asyncio.wait_for(asyncio.shield(refresh), LEDGER_WAIT_SECONDS)
-        except asyncio.TimeoutError:
-            pass
-
-    def _start_refresh(self, ledger: PodLedger) -> asyncio.Future[None]:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def finish() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        def read() -> None:
-            try:
-                ledger.refresh()
-            except Exception as exc:  # noqa: BLE001 - the last read stands; resolve() judges it
-                log.warning("reading the kubelet's ledger for /ready?pod= failed: %r", exc)
-            finally:
-                try:
-                    loop.call_soon_threadsafe(finish)
-                except RuntimeError:  # the loop closed meanwhile
-                    pass
-
-        # A daemon thread, one at a time (the future is shared until it is done): an exit never waits for a
-        # hung kubelet.
-        threading.Thread(target=read, name="ready-ledger", daemon=True).start()
-        return done
+        return await self._pods.devices(namespace, name)
 
     def _plain_ready(self) -> Response | None:
         """/ready without parameters, the pre-flight every job sends: the body is serialized once per
@@ -429,12 +402,18 @@ class HttpServer:
     def _metrics(self, request: Request) -> Response:
         if request.query_string:
             return json_answer({"error": "/metrics takes no parameters"}, 400)
-        return Response(200, self._render_metrics(), content_type=METRICS_TYPE)
+        try:
+            body = self._render_metrics()
+        except MetricsUnavailable as exc:
+            return json_answer({"error": str(exc)}, 503)
+        return Response(200, body, content_type=METRICS_TYPE)
 
-    def _status(self, request: Request) -> Response:
+    def _status(self, request: Request) -> Response | Awaitable[Response]:
         """Serialized once per snapshot, and at most once a second for the agent's own part."""
         if request.query_string:
             return json_answer({"error": "/status takes no parameters"}, 400)
+        if self._remote_status is not None:
+            return asyncio.get_running_loop().create_task(self._status_from(self._remote_status))
         snapshot = self._state.current()
         key, now = snapshot.cache_key, time.monotonic()
         cached = self._status_cache
@@ -449,3 +428,11 @@ class HttpServer:
         body = json.dumps(document).encode()
         self._status_cache = (key, now, body)
         return Response(200, body)
+
+    async def _status_from(self, render: Callable[[], Awaitable[bytes | None]]) -> Response:
+        """The document as rendered elsewhere (a JSON object), with this server's figures added as `http`."""
+        body = await render()
+        if body is None or not body.endswith(b"}"):
+            return json_answer({"error": "the agent's process has not rendered /status lately"}, 503)
+        figures = json.dumps({**self.stats(), **self.listening()}).encode()
+        return Response(200, body[:-1] + b', "http": ' + figures + b"}")

@@ -7,11 +7,13 @@ refill. So where the agent may (root, a writable cgroup of its own: the privileg
 a child cgroup `work` whose quota is the limit less the server's headroom (`work_millicores`), and every child
 the probes start (`probes.runtime.commands`' host tools, `probes.runtime.children`' forked filesystem calls,
 `probes.runtime.fdscan`'s scanners) moves itself there before it does anything (`enter_work`, `tool_spawn`);
-a new kind of child spawned through those three gets it with no change. The PodResources ledger reader is the
-one child that stays with the agent: it answers /ready?pod=, the serving path itself.
-The children then wait for their own refills while the container keeps the headroom for the agent. On cgroup
+a new kind of child spawned through those three gets it with no change. The daemon goes further: its HTTP
+server runs in a process of its own (agent/http/serving.py), and the agent then moves itself into the work cgroup
+too (`join_work`), so its own Python (probe threads parsing tool output, rendering metrics) and every child it
+forks from then on share the children's quota, and the server alone has the headroom.
+The children then wait for their own refills while the container keeps the headroom for the server. On cgroup
 v2 a cgroup with children may hold no processes, so the agent moves to a `server` leaf first; on v1 it stays
-where it is.
+where it is until it joins the work cgroup (`Confinement.serving_procs`: where the server's process stays).
 
 Where that cannot be done (no limit, not root, a read-only cgroupfs) nothing moves: `Confinement.mode` says
 which, and the counters (`CpuCgroup.stat`) show what throttling there is either way. NODE_HEALTH_CPU_CONFINE
@@ -32,16 +34,19 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 WORK = "work"
 SERVER = "server"
 MODES = ("quota", "weight", "off")
-# What the agent itself keeps of the limit: its HTTP loop, the probes' own threads, reading the scanners' frames
-# (about 10m on average on a busy node; a /ready costs well under a millisecond). The rest goes to the children:
-# a holder scan's time is its CPU (about 0.8 s at 110,000 fds) divided by their share, against an 8 s deadline.
-SERVER_HEADROOM_MILLICORES = 50
-SERVER_HEADROOM_SHARE = 0.2
+# What the HTTP server's process keeps of the limit (agent/http/serving.py): on the 2-core VM a hundred pre-flights a
+# second, each on a new connection, cost it about 50m (a bare asyncio server 330 us a connection there: the kernel's
+# and the event loop's own cost) and its idle second 5m (benchmarks/pod_quota.py). The rest goes to the agent's
+# process and its children: a holder scan's time is its CPU (about 0.8 s at 110,000 fds) divided by their share,
+# against an 8 s deadline.
+SERVER_HEADROOM_MILLICORES = 75
+SERVER_HEADROOM_SHARE = 0.15
 WORK_FLOOR_SHARE = 0.25  # below a limit the headroom cannot leave room in, the children still get this much
 
-# A fifth of the container's period: any container period then overlaps at most six of the work cgroup's, so
-# children that ran late in one and early in the next still take at most 1.2x their share of it.
-WORK_PERIOD_SHARE = 5
+# A tenth of the container's period: any container period then overlaps at most eleven of the work cgroup's, so
+# work that ran late in one and early in the next takes at most 1.1x its share of it; `work_millicores` leaves
+# room for that (with a fifth, 1.2x, the container was still throttled in one period in ten at 500m).
+WORK_PERIOD_SHARE = 10
 MIN_QUOTA_US, MAX_PERIOD_US = 1000, 1_000_000  # the kernel's bounds on cfs_quota_us / cpu.max
 
 _work_procs: bytes | None = None  # the work cgroup's cgroup.procs, as the children open it
@@ -124,18 +129,20 @@ def own_cgroup(root: Path = CGROUP_ROOT, self_cgroup: Path = Path("/proc/self/cg
     for candidate in (base / relative, base) if relative else (base,):
         group = CpuCgroup(candidate, v1)
         if pid in group.procs():
-            # On v2 a confined agent (and what `kubectl exec` starts beside it) is in the `server` leaf; the
-            # container's limit is on its parent.
-            if not v1 and candidate.name == SERVER and (candidate.parent / WORK).is_dir():
+            # A confined agent is in the `work` cgroup (its HTTP server's process, and on v2 what `kubectl exec`
+            # starts beside it, in the `server` leaf): the container's limit is on their parent.
+            if candidate.name in (SERVER, WORK) and (candidate.parent / WORK).is_dir():
                 return CpuCgroup(candidate.parent, v1)
             return group
     return None
 
 
 def work_millicores(limit: int) -> int:
-    """The children's share of a `limit` millicore quota: the limit less the server's headroom."""
+    """The share of a `limit` millicore quota for the agent's process and its children: the limit less the server's
+    headroom, less the overlap of the work cgroup's periods with the container's (WORK_PERIOD_SHARE)."""
     headroom = max(SERVER_HEADROOM_MILLICORES, round(limit * SERVER_HEADROOM_SHARE))
-    return max(limit - headroom, round(limit * WORK_FLOOR_SHARE), 1)
+    overlap = WORK_PERIOD_SHARE / (WORK_PERIOD_SHARE + 1)
+    return max(int((limit - headroom) * overlap), round(limit * WORK_FLOOR_SHARE), 1)
 
 
 @dataclass
@@ -152,6 +159,14 @@ class Confinement:
 
     def work_millicores(self) -> int | None:
         return self.work.millicores() if self.work is not None else None
+
+    def serving_procs(self) -> str | None:
+        """The cgroup.procs the HTTP server's process writes itself to: the container's own cgroup on v1, the
+        `server` leaf on v2; None where there is no work cgroup to keep it out of."""
+        if self.container is None or self.work is None:
+            return None
+        group = self.container if self.container.v1 else self.container.child(SERVER)
+        return str(group.path / "cgroup.procs")
 
     def status(self) -> dict[str, object]:
         """The limits and counters, for /status and `node-health check`."""
@@ -259,6 +274,22 @@ def enter_work() -> None:
 # is, as before, without a word on the tool's stderr.
 SHELL = "/bin/sh"
 _ENTER_AND_EXEC = '{ echo $$ >%s; } 2>/dev/null; exec "$0" "$@"'
+
+
+def join_work() -> bool:
+    """Move this whole process (every thread) into the work cgroup: the agent does, once its HTTP server runs in a
+    process of its own (agent/http/process.py), so that its own Python shares the children's quota and the server
+    keeps the headroom. Every child it forks from then on starts there: `enter_work` and `tool_spawn` need not move
+    them. False (nothing moved) where there is no work cgroup or it cannot be written."""
+    global _work_procs
+    if _work_procs is None:
+        return False
+    try:
+        Path(os.fsdecode(_work_procs)).write_text(str(os.getpid()))
+    except OSError:
+        return False
+    _work_procs = None  # inherited from here on
+    return True
 
 
 def tool_spawn(argv: tuple[str, ...]) -> tuple[tuple[str, ...], Callable[[], None] | None]:

@@ -103,7 +103,7 @@ def test_under_a_quota_the_childrens_cpu_stays_in_the_work_cgroup_and_never_thro
     with scan_quota.CpuQuota(LIMIT) as quota:
         confined = run_agent_like(quota, "quota")
     work = f"{quota.path.name}/{cpulimit.WORK}"
-    assert confined["status"]["mode"] == "quota" and confined["status"]["work_millicores"] == 50, confined
+    assert confined["status"]["mode"] == "quota" and confined["status"]["work_millicores"] == 25, confined
     lines = str(confined["tool"]).splitlines()
     assert len(lines) == 2 and all(work in line for line in lines), confined  # the tool and what it forked
     assert work in str(confined["child"]), confined
@@ -129,11 +129,12 @@ def test_without_the_work_cgroup_the_same_children_throttle_the_agent() -> None:
 
 
 def test_the_work_share_leaves_the_server_its_headroom() -> None:
-    assert work_millicores(500) == 400  # 100m (20%) for the server
-    assert work_millicores(250) == 200  # at least 50m for the server
-    assert work_millicores(100) == 50
-    assert work_millicores(40) == 10  # the floor: a quarter, so the children still move
-    assert work_millicores(2000) == 1600
+    # The server's 75m or 15%, and a tenth of the rest for the overlap of the work cgroup's shorter periods.
+    assert work_millicores(500) == 386
+    assert work_millicores(250) == 159
+    assert work_millicores(100) == 25  # the floor: a quarter, so the children still move
+    assert work_millicores(40) == 10
+    assert work_millicores(2000) == 1545
 
 
 def write(path: Path, text: str) -> None:
@@ -163,6 +164,38 @@ def test_own_cgroup_v1_and_v2_and_its_counters(tmp_path: Path) -> None:
     write(tmp_path / "self-v2", "0::/\n")
     found = own_cgroup(v2, tmp_path / "self-v2")
     assert found == CpuCgroup(v2, v1=False) and found.millicores() is None
+
+
+def test_an_agent_that_joined_its_work_cgroup_still_finds_the_containers_limit(tmp_path: Path) -> None:
+    """The daemon's process moves into `work` once started (cpulimit.join_work); the limit is on its parent, and the
+    HTTP server's process stays there (v1) or in the `server` leaf (v2)."""
+    pid = str(os.getpid())
+    root = tmp_path / "v1"
+    write(root / "cpu" / "cpu.cfs_quota_us", "-1\n")
+    container = root / "cpu" / "kubepods" / "pod1" / "c1"
+    write(container / "cpu.cfs_quota_us", "50000\n")
+    write(container / "cpu.cfs_period_us", "100000\n")
+    write(container / "work" / "cgroup.procs", pid + "\n")
+    write(tmp_path / "self", "3:cpu,cpuacct:/kubepods/pod1/c1/work\n")
+    found = own_cgroup(root, tmp_path / "self")
+    assert found == CpuCgroup(container, v1=True) and found.millicores() == 500
+    confinement = Confinement(found, found.child("work"), "quota")
+    assert confinement.serving_procs() == str(container / "cgroup.procs")
+    v2 = Confinement(CpuCgroup(tmp_path / "v2", v1=False), CpuCgroup(tmp_path / "v2" / "work", v1=False), "quota")
+    assert v2.serving_procs() == str(tmp_path / "v2" / "server" / "cgroup.procs")
+    assert Confinement(found, None, "off", "no limit").serving_procs() is None
+
+
+def test_join_work_moves_the_process_once_and_its_children_then_need_no_move(tmp_path: Path) -> None:
+    procs = tmp_path / "work" / "cgroup.procs"
+    write(procs, "")
+    try:
+        cpulimit._work_procs = os.fsencode(procs)
+        assert cpulimit.join_work() and procs.read_text() == str(os.getpid())
+        assert cpulimit.tool_spawn(("/bin/true",)) == (("/bin/true",), None)  # inherited from here on
+        assert not cpulimit.join_work()
+    finally:
+        cpulimit.release()
 
 
 def test_a_cgroup_that_does_not_list_this_process_is_not_taken(tmp_path: Path) -> None:

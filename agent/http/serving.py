@@ -1,0 +1,372 @@
+"""The HTTP server's own process: /ready, /healthz and the rest answered from a replica of the agent's state.
+
+Why a process of its own: a CPU limit is one CFS quota for the container, and the agent's Python (probe threads
+parsing tool output, rendering metrics, the Kubernetes client) shares one GIL with whatever thread answers
+/ready. In one process, a job's pre-flight waited for the probe threads' GIL turns (5 ms each) and, under the
+limit, for the quota's refill whenever the probes had spent it. So the agent (agent/http/process.py) starts this
+process first, moves itself and every child it forks into the `work` cgroup, whose quota leaves this process its
+headroom (probes/runtime/cpulimit.py), and sends it each snapshot it publishes. This process parses, judges and
+answers with nothing else to run.
+
+What it gets from the agent (agent/http/channel.py; `Setup` first):
+- every snapshot the state publishes (`snapshot`), judged here by the same freshness rule (agent.state.judged_now,
+  on the host's monotonic clock): an agent that stops sending goes stale here exactly as it would in its own
+  process, and stale is not ready;
+- a report every second (`Report`): /healthz's verdict, /status's agent part, the checks /ready may name;
+  silent for REPORT_SILENT_SECONDS, /healthz fails (the agent is wedged, and liveness should restart it);
+- /metrics as the agent rendered it, asked for when a scrape finds the copy older than a second or than the
+  snapshot (the scrape gets the copy it has meanwhile: rendering costs the agent's CPU, not this process's), with
+  this process's own figures (connections, its CPU and memory) added; a copy older than METRICS_GIVE_UP_SECONDS
+  is refused with 503, so a wedged agent shows as a failed scrape, not as flat lines;
+- for /ready?pod=, the pod's devices (`RemotePods`): the agent reads the kubelet's ledger; past LEDGER_WAIT_SECONDS
+  and a margin the answer is LedgerUnavailable, never a wait.
+
+It exits when the agent's end of the channel closes (and the kernel signals it when the agent dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+
+from agent.http.addresses import NodeAddresses
+from agent.http.channel import Channel, ChannelClosed
+from agent.http.pod import LEDGER_WAIT_SECONDS, PodDevices, unavailable
+from agent.http.routes import HttpServer, MetricsUnavailable
+from agent.logs import configure_logging
+from agent.snapshot import Snapshot
+from agent.state import judged_now
+
+log = logging.getLogger(__name__)
+
+REPORT_SILENT_SECONDS = 10.0  # the agent reports every second; this long without one, /healthz fails
+METRICS_MAX_AGE_SECONDS = 1.0  # a scrape finding an older copy asks the agent for a new one
+METRICS_ASK_AGAIN_SECONDS = 5.0  # an unanswered ask is repeated after this
+METRICS_GIVE_UP_SECONDS = 60.0  # a copy this old is not served (/metrics, /status)
+STATUS_WAIT_SECONDS = 2.0  # /status waits this long for the agent's rendering, then serves the last one
+POD_ANSWER_MARGIN_SECONDS = 1.0  # beyond the agent's own LEDGER_WAIT_SECONDS: its CPU may be throttled
+MAX_POD_QUERIES = 64  # pod= queries waiting for the agent at once; more are answered LedgerUnavailable
+PR_SET_PDEATHSIG = 1
+# The server's scheduling priority (root only; elsewhere it stays at the agent's): woken ahead of the agent's
+# process and its children, which share its CPUs, so a pre-flight does not queue behind a holder scan's scanners.
+SERVER_NICE = -5
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the agent says every second besides its snapshots."""
+
+    healthy: bool
+    health: dict[str, Any]
+    checks: frozenset[str]  # the checks /ready's checks= may name
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The first message: where to listen and what to start from."""
+
+    address: str
+    port: int
+    metrics_port: int | None
+    status_on_main_port: bool
+    health_port: int | None
+    max_wait: float
+    proc: str
+    log_format: str
+    log_level: str
+    agent_pid: int
+    snapshot: Snapshot
+    report: Report
+    metrics: bytes
+    cgroup_procs: str | None = None  # the cgroup this process serves from (the agent's children's is not it)
+
+
+class Replica:
+    """The agent's state as this process knows it: a StateView for HttpServer, and the report and metrics beside."""
+
+    def __init__(self, setup: Setup, ask_metrics: Callable[[], None], ask_status: Callable[[], None]) -> None:
+        self._snapshot = setup.snapshot
+        self._listeners: list[Callable[[Snapshot], None]] = []
+        self._report = setup.report
+        self._reported = time.monotonic()
+        self._metrics = (setup.metrics, time.monotonic(), setup.snapshot.version)
+        self._metrics_asked = -math.inf
+        self._ask_metrics = ask_metrics
+        self._status: tuple[bytes, float, int] = (b"", -math.inf, 0)
+        self._status_wanted: asyncio.Future[None] | None = None
+        self._status_loop: asyncio.AbstractEventLoop | None = None
+        self._ask_status = ask_status
+        self.agent_pid = setup.agent_pid
+
+    # StateView
+    def current(self) -> Snapshot:
+        return judged_now(self._snapshot, time.monotonic())
+
+    def subscribe(self, listener: Callable[[Snapshot], None]) -> None:
+        self._listeners.append(listener)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+        for listener in list(self._listeners):
+            try:
+                listener(snapshot)
+            except Exception:  # a listener must never break the replica
+                log.exception("snapshot listener failed")
+
+    def reported(self, report: Report) -> None:
+        self._report, self._reported = report, time.monotonic()
+
+    def report_age(self) -> float:
+        return time.monotonic() - self._reported
+
+    def healthz(self) -> tuple[bool, dict[str, Any]]:
+        age = self.report_age()
+        if age > REPORT_SILENT_SECONDS:
+            return False, {"problems": [f"the agent's process (pid {self.agent_pid}) has not reported for {age:.0f}s"]}
+        return self._report.healthy, self._report.health
+
+    def known_checks(self) -> frozenset[str]:
+        return self._report.checks
+
+    async def status(self) -> bytes | None:
+        """/status as the agent renders it (at most a second old, and of the snapshot this process has), with this
+        process's part added as `server_process`; the last copy when the agent does not answer within
+        STATUS_WAIT_SECONDS, None when there is none younger than METRICS_GIVE_UP_SECONDS."""
+        body, rendered, version = self._status
+        now = time.monotonic()
+        if now - rendered < METRICS_MAX_AGE_SECONDS and version >= self._snapshot.version:
+            return self._with_server_part(body)
+        loop = asyncio.get_running_loop()
+        if self._status_wanted is None or self._status_wanted.done():
+            self._status_loop, self._status_wanted = loop, loop.create_future()
+            self._ask_status()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._status_wanted), STATUS_WAIT_SECONDS)
+        except asyncio.TimeoutError:
+            pass
+        body, rendered, _ = self._status
+        if not body or time.monotonic() - rendered > METRICS_GIVE_UP_SECONDS:
+            return None
+        return self._with_server_part(body)
+
+    def _with_server_part(self, body: bytes) -> bytes:
+        age = round(self.report_age(), 3)
+        part = {"pid": os.getpid(), "agent_pid": self.agent_pid, "agent_report_age_seconds": age}
+        return body[:-1] + b', "server_process": ' + json.dumps(part).encode() + b"}"
+
+    def status_arrived(self, body: bytes, version: int) -> None:
+        """From the channel's reader."""
+        self._status = (body, time.monotonic(), version)
+        wanted, loop = self._status_wanted, self._status_loop
+        if wanted is None or loop is None:
+            return
+
+        def resolve() -> None:
+            if not wanted.done():
+                wanted.set_result(None)
+
+        try:
+            loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def metrics(self) -> bytes:
+        """The agent's last rendering; asks for a new one when it is old or predates the snapshot."""
+        body, rendered, version = self._metrics
+        now = time.monotonic()
+        old = now - rendered >= METRICS_MAX_AGE_SECONDS or version < self._snapshot.version
+        if old and now - self._metrics_asked >= METRICS_ASK_AGAIN_SECONDS:
+            self._metrics_asked = now
+            self._ask_metrics()
+        if now - rendered > METRICS_GIVE_UP_SECONDS:
+            raise MetricsUnavailable(f"the agent's process has not rendered metrics for {now - rendered:.0f}s")
+        return body
+
+    def metrics_arrived(self, body: bytes, version: int) -> None:
+        self._metrics = (body, time.monotonic(), version)
+        self._metrics_asked = -math.inf
+
+
+class RemotePods:
+    """PodSource for this process: each pod= query asked of the agent, which reads the ledger and resolves it."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[PodDevices]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def devices(self, namespace: str, name: str) -> PodDevices:
+        if len(self._waiting) >= MAX_POD_QUERIES:
+            return unavailable(namespace, name, f"{len(self._waiting)} pod= queries are waiting for the agent already")
+        self._loop = loop = asyncio.get_running_loop()
+        key = next(self._ids)
+        future: asyncio.Future[PodDevices] = loop.create_future()
+        self._waiting[key] = future
+        try:
+            self._channel.send_json({"kind": "pod", "id": key, "namespace": namespace, "name": name})
+            return await asyncio.wait_for(future, LEDGER_WAIT_SECONDS + POD_ANSWER_MARGIN_SECONDS)
+        except (asyncio.TimeoutError, ChannelClosed):
+            waited = LEDGER_WAIT_SECONDS + POD_ANSWER_MARGIN_SECONDS
+            return unavailable(namespace, name, f"the agent's process did not resolve the pod within {waited:g}s")
+        finally:
+            self._waiting.pop(key, None)
+
+    def answered(self, key: int, found: PodDevices) -> None:
+        """From the channel's reader: resolves the waiting query (gone if it timed out meanwhile)."""
+        future, loop = self._waiting.get(key), self._loop
+        if future is None or loop is None:
+            return
+
+        def resolve() -> None:
+            if not future.done():
+                future.set_result(found)
+
+        try:
+            loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+
+class _OwnFigures:
+    """This process's collector: the server's connection figures and its own CPU and memory."""
+
+    def __init__(self, http: HttpServer) -> None:
+        self._http = http
+
+    def collect(self) -> Iterator[Metric]:
+        for sample in self._http.samples():  # three unlabelled figures: agent.metrics is the agent's, above this wing
+            if sample.kind == "counter":
+                counter = CounterMetricFamily(sample.name.removesuffix("_total"), sample.help)
+                counter.add_metric([], float(sample.value))
+                yield counter
+            else:
+                gauge = GaugeMetricFamily(sample.name, sample.help)
+                gauge.add_metric([], float(sample.value))
+                yield gauge
+
+
+def own_metrics(http: HttpServer) -> Callable[[], bytes]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_OwnFigures(http))
+    registry.register(ProcessCollector(namespace="nodehealth_server", registry=None))
+    return lambda: generate_latest(registry)
+
+
+def _die_with_parent() -> None:
+    """The kernel sends SIGTERM when the agent dies, even where it could not close the channel (SIGKILL)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _enter(cgroup_procs: str | None) -> None:
+    if cgroup_procs is None:
+        return
+    try:
+        with open(cgroup_procs, "w") as procs:
+            procs.write(str(os.getpid()))
+    except OSError as exc:
+        log.warning("the HTTP server's process stays in its cgroup: %s: %s", cgroup_procs, exc)
+
+
+def serve(channel: Channel) -> int:
+    kind, setup = channel.receive_object()
+    if kind != "setup" or not isinstance(setup, Setup):
+        log.error("the agent's first message is %r, not the setup", kind)
+        return 2
+    _enter(setup.cgroup_procs)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, SERVER_NICE)
+    except OSError:
+        pass
+    configure_logging(setup.log_format, setup.log_level)
+    if os.getppid() != setup.agent_pid:
+        return 1  # the agent died before the kernel could be told to signal its death
+    replica = Replica(
+        setup, lambda: channel.send_json({"kind": "metrics"}), lambda: channel.send_json({"kind": "status"})
+    )
+    pods = RemotePods(channel)
+    http = HttpServer(
+        replica,
+        lambda: replica.metrics() + own(),
+        replica.healthz,
+        replica.known_checks,
+        address=setup.address,
+        port=setup.port,
+        max_wait=setup.max_wait,
+        metrics_port=setup.metrics_port,
+        status_on_main_port=setup.status_on_main_port,
+        pod_source=pods,
+        remote_status=replica.status,
+        health_port=setup.health_port,
+        node_addresses=NodeAddresses(setup.proc),
+    )
+    own = own_metrics(http)
+    try:
+        http.start()
+    except OSError as exc:
+        channel.send_json({"kind": "listening", "error": f"{setup.address}:{setup.port}: {exc.strerror or exc}"})
+        return 1
+    channel.send_json({"kind": "listening", "pid": os.getpid(), **http.listening()})
+    try:
+        _follow(channel, replica, pods)
+    except ChannelClosed:
+        pass
+    http.stop()
+    return 0
+
+
+def _follow(channel: Channel, replica: Replica, pods: RemotePods) -> None:
+    while True:
+        kind, value = channel.receive_object()
+        if kind == "snapshot":
+            replica.publish(value)
+        elif kind == "report":
+            replica.reported(value)
+        elif kind == "metrics":
+            replica.metrics_arrived(*value)
+        elif kind == "status":
+            replica.status_arrived(*value)
+        elif kind == "pod":
+            pods.answered(*value)
+        elif kind == "stop":
+            return
+        else:
+            log.warning("unknown message from the agent: %r", kind)
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    # Ctrl-C and SIGHUP are the agent's (a terminal sends them to the whole group): this process ends with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    channel = Channel(socket.socket(fileno=int(argv[0])))
+    try:
+        return serve(channel)
+    except ChannelClosed:
+        return 0
+
+
+if __name__ == "__main__":
+    # As agent.http.serving, not __main__: the agent's pickles name the classes by their module.
+    from agent.http import serving
+
+    sys.exit(serving.main(sys.argv[1:]))
