@@ -2,10 +2,11 @@
 health state's findings carry, so that /ready judges exactly those (and the node-wide checks).
 
 The ledger is the kubelet's PodResources List (`probes.runtime.podresources`), read by the reader child the npu and
-gpu probes share. The HTTP server asks for a fresh read before it judges a pod (`PodLedger.refresh`, in a thread
-of its own, never on the loop; at most one a second, and one every 5 s while reads fail) and waits for it at most
+gpu probes share. A fresh read is asked for before a pod is judged (`PodLedger.refresh`, in a thread of its own,
+never on a loop; at most one a second, and one every 5 s while reads fail) and waited for at most
 `LEDGER_WAIT_SECONDS`, so a pod admitted a moment ago is listed, and a pod re-created under the same name is judged
-by its own allocation. Then, failing closed (`resolve`):
+by its own allocation: by the agent's process when the HTTP server's asks it (`resolve_fresh`; the daemon's way,
+agent/http/process.py), on the loop's own process otherwise (`LocalPods`). Then, failing closed (`resolve`):
 
 - no read yet, or the last one failed (no socket, the kubelet did not answer) → LedgerUnavailable;
   an ok read older than `MAX_LEDGER_AGE_SECONDS` (the newer one asked for has not finished) → LedgerStale; its

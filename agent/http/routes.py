@@ -52,10 +52,6 @@ SCRIPT_TYPE = "text/x-shellscript; charset=utf-8"
 STATUS_MAX_AGE_SECONDS = 1.0
 
 
-class MetricsUnavailable(Exception):
-    """What a metrics renderer raises when it has nothing current to give: /metrics answers 503 with it."""
-
-
 class StateView(Protocol):
     """What the server reads the health state through: agent.state.HealthState in the agent's process, the
     replica of it in the server's (agent/http/serving.py)."""
@@ -83,6 +79,7 @@ class HttpServer:
         status_on_main_port: bool = True,
         pod_ledger: PodLedger | None = None,
         pod_source: PodSource | None = None,
+        remote_metrics: Callable[[], Awaitable[bytes | None]] | None = None,
         remote_status: Callable[[], Awaitable[bytes | None]] | None = None,
         health_port: int | None = None,
         node_addresses: NodeAddresses | None = None,
@@ -92,7 +89,9 @@ class HttpServer:
         self._healthz = healthz
         self._known_checks = known_checks
         self._status_extra = status_extra
-        # /status rendered elsewhere (the agent's process, agent/http/serving.py): this server adds its own figures.
+        # /metrics and /status rendered elsewhere (the agent's process, agent/http/serving.py), None when none is
+        # young enough; this server adds its own figures.
+        self._remote_metrics = remote_metrics
         self._remote_status = remote_status
         # /ready?pod=: the ledger read here (LocalPods), or asked of the agent's process (agent/http/serving.py).
         self._pods = pod_source or (LocalPods(pod_ledger, state.current) if pod_ledger is not None else None)
@@ -399,13 +398,17 @@ class HttpServer:
         body = {"started": not pending, "node": snapshot.node, "probes": len(snapshot.probes), "pending": pending}
         return json_answer(body, 503 if pending else 200)
 
-    def _metrics(self, request: Request) -> Response:
+    def _metrics(self, request: Request) -> Response | Awaitable[Response]:
         if request.query_string:
             return json_answer({"error": "/metrics takes no parameters"}, 400)
-        try:
-            body = self._render_metrics()
-        except MetricsUnavailable as exc:
-            return json_answer({"error": str(exc)}, 503)
+        if self._remote_metrics is not None:
+            return asyncio.get_running_loop().create_task(self._metrics_from(self._remote_metrics))
+        return Response(200, self._render_metrics(), content_type=METRICS_TYPE)
+
+    async def _metrics_from(self, render: Callable[[], Awaitable[bytes | None]]) -> Response:
+        body = await render()
+        if body is None:
+            return json_answer({"error": "the agent's process has not rendered /metrics lately"}, 503)
         return Response(200, body, content_type=METRICS_TYPE)
 
     def _status(self, request: Request) -> Response | Awaitable[Response]:

@@ -14,10 +14,10 @@ What it gets from the agent (agent/http/channel.py; `Setup` first):
   process, and stale is not ready;
 - a report every second (`Report`): /healthz's verdict, /status's agent part, the checks /ready may name;
   silent for REPORT_SILENT_SECONDS, /healthz fails (the agent is wedged, and liveness should restart it);
-- /metrics as the agent rendered it, asked for when a scrape finds the copy older than a second or than the
-  snapshot (the scrape gets the copy it has meanwhile: rendering costs the agent's CPU, not this process's), with
-  this process's own figures (connections, its CPU and memory) added; a copy older than METRICS_GIVE_UP_SECONDS
-  is refused with 503, so a wedged agent shows as a failed scrape, not as flat lines;
+- /metrics and /status as the agent renders them (`Rendering`): a copy at most a second old and of the snapshot
+  held serves as is, else the agent is asked and waited for at most two seconds (rendering costs the agent's CPU,
+  not this process's), with this process's own figures added (connections, its CPU and memory; `server_process`);
+  past the wait the last copy serves, and none older than a minute: a wedged agent shows as a failed scrape;
 - for /ready?pod=, the pod's devices (`RemotePods`): the agent reads the kubelet's ledger; past LEDGER_WAIT_SECONDS
   and a margin the answer is LedgerUnavailable, never a wait.
 
@@ -37,7 +37,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from prometheus_client.process_collector import ProcessCollector
 from agent.http.addresses import NodeAddresses
 from agent.http.channel import Channel, ChannelClosed
 from agent.http.pod import LEDGER_WAIT_SECONDS, PodDevices, unavailable
-from agent.http.routes import HttpServer, MetricsUnavailable
+from agent.http.routes import HttpServer
 from agent.logs import configure_logging
 from agent.snapshot import Snapshot
 from agent.state import judged_now
@@ -56,10 +56,10 @@ from agent.state import judged_now
 log = logging.getLogger(__name__)
 
 REPORT_SILENT_SECONDS = 10.0  # the agent reports every second; this long without one, /healthz fails
-METRICS_MAX_AGE_SECONDS = 1.0  # a scrape finding an older copy asks the agent for a new one
-METRICS_ASK_AGAIN_SECONDS = 5.0  # an unanswered ask is repeated after this
-METRICS_GIVE_UP_SECONDS = 60.0  # a copy this old is not served (/metrics, /status)
-STATUS_WAIT_SECONDS = 2.0  # /status waits this long for the agent's rendering, then serves the last one
+RENDERING_MAX_AGE_SECONDS = 1.0  # a copy of /metrics or /status this young, of the snapshot held, is served as is
+RENDERING_WAIT_SECONDS = 2.0  # an older one is asked for again and waited for this long; then the last copy serves
+RENDERING_ASK_AGAIN_SECONDS = 5.0  # an ask unanswered this long is made again
+RENDERING_GIVE_UP_SECONDS = 60.0  # a copy this old is not served (503)
 POD_ANSWER_MARGIN_SECONDS = 1.0  # beyond the agent's own LEDGER_WAIT_SECONDS: its CPU may be throttled
 MAX_POD_QUERIES = 64  # pod= queries waiting for the agent at once; more are answered LedgerUnavailable
 PR_SET_PDEATHSIG = 1
@@ -97,6 +97,21 @@ class Setup:
     cgroup_procs: str | None = None  # the cgroup this process serves from (the agent's children's is not it)
 
 
+def settle_soon(loop: asyncio.AbstractEventLoop | None, future: asyncio.Future[Any] | None, value: Any) -> None:
+    """From the channel's reader thread: `future` gets `value` on its loop, unless it is done (timed out) by then."""
+    if loop is None or future is None:
+        return
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop closed meanwhile
+        pass
+
+
 class Replica:
     """The agent's state as this process knows it: a StateView for HttpServer, and the report and metrics beside."""
 
@@ -105,13 +120,9 @@ class Replica:
         self._listeners: list[Callable[[Snapshot], None]] = []
         self._report = setup.report
         self._reported = time.monotonic()
-        self._metrics = (setup.metrics, time.monotonic(), setup.snapshot.version)
-        self._metrics_asked = -math.inf
-        self._ask_metrics = ask_metrics
-        self._status: tuple[bytes, float, int] = (b"", -math.inf, 0)
-        self._status_wanted: asyncio.Future[None] | None = None
-        self._status_loop: asyncio.AbstractEventLoop | None = None
-        self._ask_status = ask_status
+        version = lambda: self._snapshot.version  # noqa: E731 - read when asked
+        self.metrics = Rendering("metrics", ask_metrics, version, (setup.metrics, setup.snapshot.version))
+        self.status = Rendering("status", ask_status, version)
         self.agent_pid = setup.agent_pid
 
     # StateView
@@ -144,63 +155,64 @@ class Replica:
     def known_checks(self) -> frozenset[str]:
         return self._report.checks
 
-    async def status(self) -> bytes | None:
-        """/status as the agent renders it (at most a second old, and of the snapshot this process has), with this
-        process's part added as `server_process`; the last copy when the agent does not answer within
-        STATUS_WAIT_SECONDS, None when there is none younger than METRICS_GIVE_UP_SECONDS."""
-        body, rendered, version = self._status
-        now = time.monotonic()
-        if now - rendered < METRICS_MAX_AGE_SECONDS and version >= self._snapshot.version:
-            return self._with_server_part(body)
-        loop = asyncio.get_running_loop()
-        if self._status_wanted is None or self._status_wanted.done():
-            self._status_loop, self._status_wanted = loop, loop.create_future()
-            self._ask_status()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._status_wanted), STATUS_WAIT_SECONDS)
-        except asyncio.TimeoutError:
-            pass
-        body, rendered, _ = self._status
-        if not body or time.monotonic() - rendered > METRICS_GIVE_UP_SECONDS:
+    async def status_document(self) -> bytes | None:
+        """/status as the agent renders it, with this process's part added as `server_process`."""
+        body = await self.status.get()
+        if body is None:
             return None
-        return self._with_server_part(body)
-
-    def _with_server_part(self, body: bytes) -> bytes:
         age = round(self.report_age(), 3)
         part = {"pid": os.getpid(), "agent_pid": self.agent_pid, "agent_report_age_seconds": age}
         return body[:-1] + b', "server_process": ' + json.dumps(part).encode() + b"}"
 
-    def status_arrived(self, body: bytes, version: int) -> None:
-        """From the channel's reader."""
-        self._status = (body, time.monotonic(), version)
-        wanted, loop = self._status_wanted, self._status_loop
-        if wanted is None or loop is None:
-            return
 
-        def resolve() -> None:
-            if not wanted.done():
-                wanted.set_result(None)
+class Rendering:
+    """One of the agent's renderings (/metrics, /status): a copy younger than RENDERING_MAX_AGE_SECONDS and not older
+    than the snapshot held is served as is; otherwise the agent is asked for a new one (once for every request
+    waiting), waited for at most RENDERING_WAIT_SECONDS, and the last copy serves after that; none older than
+    RENDERING_GIVE_UP_SECONDS (a wedged agent shows as a failed scrape, not as flat lines)."""
 
+    def __init__(
+        self,
+        kind: str,
+        ask: Callable[[], None],
+        version: Callable[[], int],
+        first: tuple[bytes, int] | None = None,
+    ) -> None:
+        self.kind = kind
+        self._ask = ask
+        self._version = version
+        self._copy: tuple[bytes, float, int] = (b"", -math.inf, 0)
+        if first is not None:
+            self._copy = (first[0], time.monotonic(), first[1])
+        self._wanted: asyncio.Future[None] | None = None
+        self._asked = -math.inf
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def get(self) -> bytes | None:
+        body, rendered, version = self._copy
+        if time.monotonic() - rendered < RENDERING_MAX_AGE_SECONDS and version >= self._version():
+            return body
+        loop, now = asyncio.get_running_loop(), time.monotonic()
+        # One ask for every request waiting; asked again once it is overdue (the agent's rendering failed).
+        if self._wanted is None or self._wanted.done() or now - self._asked > RENDERING_ASK_AGAIN_SECONDS:
+            self._loop, self._wanted, self._asked = loop, loop.create_future(), now
+            try:
+                self._ask()
+            except (ChannelClosed, OSError):
+                self._wanted.set_result(None)  # the agent is gone: the last copy, while it is young enough
         try:
-            loop.call_soon_threadsafe(resolve)
-        except RuntimeError:  # the loop closed meanwhile
+            await asyncio.wait_for(asyncio.shield(self._wanted), RENDERING_WAIT_SECONDS)
+        except asyncio.TimeoutError:
             pass
-
-    def metrics(self) -> bytes:
-        """The agent's last rendering; asks for a new one when it is old or predates the snapshot."""
-        body, rendered, version = self._metrics
-        now = time.monotonic()
-        old = now - rendered >= METRICS_MAX_AGE_SECONDS or version < self._snapshot.version
-        if old and now - self._metrics_asked >= METRICS_ASK_AGAIN_SECONDS:
-            self._metrics_asked = now
-            self._ask_metrics()
-        if now - rendered > METRICS_GIVE_UP_SECONDS:
-            raise MetricsUnavailable(f"the agent's process has not rendered metrics for {now - rendered:.0f}s")
+        body, rendered, _ = self._copy
+        if not body or time.monotonic() - rendered > RENDERING_GIVE_UP_SECONDS:
+            return None
         return body
 
-    def metrics_arrived(self, body: bytes, version: int) -> None:
-        self._metrics = (body, time.monotonic(), version)
-        self._metrics_asked = -math.inf
+    def arrived(self, body: bytes, version: int) -> None:
+        """From the channel's reader."""
+        self._copy = (body, time.monotonic(), version)
+        settle_soon(self._loop, self._wanted, None)
 
 
 class RemotePods:
@@ -230,18 +242,7 @@ class RemotePods:
 
     def answered(self, key: int, found: PodDevices) -> None:
         """From the channel's reader: resolves the waiting query (gone if it timed out meanwhile)."""
-        future, loop = self._waiting.get(key), self._loop
-        if future is None or loop is None:
-            return
-
-        def resolve() -> None:
-            if not future.done():
-                future.set_result(found)
-
-        try:
-            loop.call_soon_threadsafe(resolve)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
+        settle_soon(self._loop, self._waiting.get(key), found)
 
 
 class _OwnFigures:
@@ -267,6 +268,11 @@ def own_metrics(http: HttpServer) -> Callable[[], bytes]:
     registry.register(_OwnFigures(http))
     registry.register(ProcessCollector(namespace="nodehealth_server", registry=None))
     return lambda: generate_latest(registry)
+
+
+async def _with_own(agents: Awaitable[bytes | None], own: Callable[[], bytes]) -> bytes | None:
+    body = await agents
+    return None if body is None else body + own()
 
 
 def _die_with_parent() -> None:
@@ -306,7 +312,7 @@ def serve(channel: Channel) -> int:
     pods = RemotePods(channel)
     http = HttpServer(
         replica,
-        lambda: replica.metrics() + own(),
+        lambda: b"",  # unused: remote_metrics
         replica.healthz,
         replica.known_checks,
         address=setup.address,
@@ -315,7 +321,8 @@ def serve(channel: Channel) -> int:
         metrics_port=setup.metrics_port,
         status_on_main_port=setup.status_on_main_port,
         pod_source=pods,
-        remote_status=replica.status,
+        remote_metrics=lambda: _with_own(replica.metrics.get(), own),
+        remote_status=replica.status_document,
         health_port=setup.health_port,
         node_addresses=NodeAddresses(setup.proc),
     )
@@ -342,9 +349,9 @@ def _follow(channel: Channel, replica: Replica, pods: RemotePods) -> None:
         elif kind == "report":
             replica.reported(value)
         elif kind == "metrics":
-            replica.metrics_arrived(*value)
+            replica.metrics.arrived(*value)
         elif kind == "status":
-            replica.status_arrived(*value)
+            replica.status.arrived(*value)
         elif kind == "pod":
             pods.answered(*value)
         elif kind == "stop":

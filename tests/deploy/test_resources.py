@@ -201,7 +201,7 @@ def test_npu_holder_scan_completes_under_the_daemonsets_cpu_limit(tmp_path: Path
 
 @pytest.mark.system
 def test_a_scan_the_limit_cannot_fit_is_unknown_and_names_the_limit(tmp_path: Path) -> None:
-    """At 100m the scanners get 50m (probes/runtime/cpulimit.py): 2,000 processes x 50 fds do not fit in the
+    """At 100m the scanners get 25m (probes/runtime/cpulimit.py): 2,000 processes x 50 fds do not fit in the
     deadline. The scan is reported unknown with the limit in its message, never complete, never ok."""
     require_root()
     why_not = scan_quota.cgroup_support()
@@ -213,4 +213,4 @@ def test_a_scan_the_limit_cannot_fit_is_unknown_and_names_the_limit(tmp_path: Pa
         assert (work / "cgroup.procs").is_file(), "the probe's process made its work cgroup"
     assert not run["complete"] and run["unscanned"] > 0, run
     assert run["node_wide"] == ["unknown", "NpuHolderScanFailed"], run
-    assert "CPU limit of 100m, 50m of it for the probes' children" in run["message"], run
+    assert "CPU limit of 100m, 25m of it for the probes' children" in run["message"], run

@@ -118,7 +118,7 @@ def test_no_quota_caps_the_daemonset_below_10000_nodes(render: list[dict[str, An
     old["spec"]["hard"] = {"pods": "1k"}
     assert daemonset_caps(old, daemonset) == ["pods: 10000 > 1k"]
     old["spec"]["hard"] = {"requests.memory": "100Gi", "limits.cpu": "10k"}
-    assert daemonset_caps(old, daemonset) == [f"requests.memory: {parse_quantity('128Mi') * FLEET} > 100Gi"]
+    assert daemonset_caps(old, daemonset) == [f"requests.memory: {parse_quantity('160Mi') * FLEET} > 100Gi"]
     # A quota of another priority class does not count the agent.
     other = copy.deepcopy(quotas[0])
     other["spec"]["scopeSelector"]["matchExpressions"][0]["values"] = ["system-cluster-critical"]

@@ -23,7 +23,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,10 +32,11 @@ from support.system import REPO, require_root
 from agent.http.channel import MAX_REQUEST_BYTES, Channel, ChannelClosed
 from agent.http.pod import PodLedger
 from agent.http.process import ServerProcess
-from agent.http.routes import MetricsUnavailable
 from agent.http.serving import (
-    METRICS_GIVE_UP_SECONDS,
+    RENDERING_ASK_AGAIN_SECONDS,
+    RENDERING_GIVE_UP_SECONDS,
     REPORT_SILENT_SECONDS,
+    Rendering,
     Replica,
     Report,
     Setup,
@@ -102,19 +102,31 @@ def test_healthz_fails_when_the_agent_stops_reporting() -> None:
     assert replica.healthz() == (False, {"problems": ["probe npu stuck for 300s"]})
 
 
-def test_metrics_are_the_agents_rendering_asked_again_when_old_and_refused_when_too_old() -> None:
+def test_a_rendering_is_served_while_young_asked_again_when_old_and_refused_when_too_old() -> None:
     asked: list[int] = []
-    state = healthy_state()
-    replica = Replica(setup_of(state, b"# first\n"), lambda: asked.append(1), lambda: None)
-    assert replica.metrics() == b"# first\n" and asked == []  # fresh: nobody asked
-    replica.publish(replace(state.current(), version=state.current().version + 1))
-    assert replica.metrics() == b"# first\n" and asked == [1]  # older than the snapshot: asked, the copy served
-    assert replica.metrics() == b"# first\n" and asked == [1]  # one ask in flight
-    replica.metrics_arrived(b"# second\n", state.current().version + 1)
-    assert replica.metrics() == b"# second\n"
-    replica._metrics = (b"# old\n", time.monotonic() - METRICS_GIVE_UP_SECONDS - 1, 10**6)
-    with pytest.raises(MetricsUnavailable, match="has not rendered metrics"):
-        replica.metrics()
+    version = [1]
+    rendering = Rendering("metrics", lambda: asked.append(1), lambda: version[0], (b"# first\n", 1))
+
+    async def scrape(arrives: bytes | None = None) -> bytes | None:
+        pending = asyncio.ensure_future(rendering.get())
+        await asyncio.sleep(0.05)
+        if arrives is not None:
+            rendering.arrived(arrives, version[0])
+        return await asyncio.wait_for(pending, 10)
+
+    async def scrapes() -> None:  # one loop, as in the server
+        assert await scrape() == b"# first\n" and asked == []  # young, of this snapshot: nobody asked
+        version[0] = 2
+        assert await scrape(b"# second\n") == b"# second\n" and asked == [1]  # older than the snapshot: asked
+        # The agent does not answer: the last copy, after the wait; none once it is too old.
+        version[0] = 3
+        assert await scrape() == b"# second\n" and asked == [1, 1]
+        rendering._copy = (b"# old\n", time.monotonic() - RENDERING_GIVE_UP_SECONDS - 1, 3)
+        assert await scrape() is None and asked == [1, 1]  # the ask still pending is waited for, not repeated
+        rendering._asked -= RENDERING_ASK_AGAIN_SECONDS  # until it is overdue
+        assert await scrape(b"# third\n") == b"# third\n" and asked == [1, 1, 1]
+
+    asyncio.run(scrapes())
 
 
 def test_the_channel_refuses_frames_no_request_can_be() -> None:
@@ -143,7 +155,7 @@ def test_a_status_the_agent_never_renders_is_a_503_not_a_wait_forever() -> None:
     replica = Replica(setup_of(healthy_state()), lambda: None, lambda: None)
 
     async def ask() -> bytes | None:
-        return await asyncio.wait_for(replica.status(), 10)
+        return await asyncio.wait_for(replica.status_document(), 10)
 
     assert asyncio.run(ask()) is None  # no copy at all: HttpServer answers 503 for None
 
@@ -205,10 +217,8 @@ def test_the_server_process_answers_from_each_snapshot_the_agent_publishes(
     state.record("storage", [DISK.report(DISK_FULL, "/data", "99% used")])
     until("/ready not ready", lambda: get(server.port, "/ready")[0] == 503)
     assert b"DiskFull" in get(server.port, "/ready")[1]
-    # The agent's rendering, asked for once the copy predates the snapshot (the first scrape may get the copy).
-    until("/metrics of the new snapshot", lambda: b"nodehealth_ready 0.0" in get(server.port, "/metrics")[1])
-    status, body = get(server.port, "/metrics")
-    assert status == 200
+    status, body = get(server.port, "/metrics")  # the agent's rendering of the snapshot the server holds
+    assert status == 200 and b"nodehealth_ready 0.0" in body
     assert b"nodehealth_server_process_cpu_seconds_total" in body and b"nodehealth_http_connections" in body
     status, body = get(server.port, "/status")
     document = json.loads(body)
