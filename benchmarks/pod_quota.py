@@ -8,9 +8,9 @@ node is a fake 16-NPU + 8-GPU node (benchmarks/accelerator_node.py) on a busy ho
 with FDS open files each (benchmarks/scan_quota.py's `HolderFarm`), and the planted holder: a process outside
 any pod that holds the node's davinci0 open (FakeNode's holder; davinci0 has the number of a pseudo-terminal
 only it holds, so no other process matches by chance).
-From outside the cgroup a client process asks /ready every 10 ms and /healthz and /metrics every second (ASK_EVERY; a new connection
-per request, as a pre-flight does), while the benchmark polls /status once a second for the npu and gpu probes'
-runs (start = end - duration) and their holder scans.
+From outside the cgroup a client process asks /ready every 10 ms and /healthz and /metrics every second
+(ASK_EVERY; a new connection per request, as a pre-flight does), while the benchmark polls /status once a second
+for the npu and gpu probes' runs (start = end - duration) and their holder scans.
 
 Per case it reports each endpoint's latency (p50/p99/p99.9/max) overall, for the requests that arrived during
 an npu probe run and during any holder-probe (npu or gpu) run; the container's and the work cgroup's periods,

@@ -131,6 +131,7 @@ class ServerProcess:
             snapshot=self._state.current(),
             report=self._report(),
             metrics=self._render_metrics(),
+            status=self._render_status()[0],
             cgroup_procs=self._cgroup_procs(),
         )
 
@@ -197,12 +198,13 @@ class ServerProcess:
                 backoff += 1
                 if self._stopping.is_set():
                     return
+                self.restarts += 1  # before: the new process starts from a /status that counts itself
                 try:
                     self._spawn()
                 except OSError as exc:
+                    self.restarts -= 1
                     log.error("restarting the HTTP server's process failed: %s", exc)
                     continue
-                self.restarts += 1
                 log.warning("the HTTP server's process was restarted (pid %d)", self.pid)
                 break
 
@@ -249,8 +251,8 @@ class ServerProcess:
         healthy, health = self._healthz()
         return Report(healthy, health, frozenset(self._known_checks()))
 
-    def _send_status(self, channel: Channel) -> None:
-        """/status's document (HttpServer's, less the server's own figures, which it adds)."""
+    def _render_status(self) -> tuple[bytes, int]:
+        """/status's document (HttpServer's, less the server's own figures, which it adds) and its snapshot."""
         snapshot = self._state.current()
         document = snapshot.to_document(history=True)
         try:
@@ -258,8 +260,11 @@ class ServerProcess:
         except Exception as exc:  # noqa: BLE001 - the core document still answers
             document["status_extra_error"] = str(exc)
         document["http_server_restarts"] = self.restarts
+        return json.dumps(document).encode(), snapshot.version
+
+    def _send_status(self, channel: Channel) -> None:
         try:
-            channel.send_object("status", (json.dumps(document).encode(), snapshot.version))
+            channel.send_object("status", self._render_status())
         except ChannelClosed:
             pass
 

@@ -15,7 +15,7 @@ What it gets from the agent (agent/http/channel.py; `Setup` first):
 - a report every second (`Report`): /healthz's verdict, /status's agent part, the checks /ready may name;
   silent for REPORT_SILENT_SECONDS, /healthz fails (the agent is wedged, and liveness should restart it);
 - /metrics and /status as the agent renders them (`Rendering`): a copy at most a second old and of the snapshot
-  held serves as is, else the agent is asked and waited for at most two seconds (rendering costs the agent's CPU,
+  held serves as is, else the agent is asked and waited for at most three seconds (rendering costs the agent's CPU,
   not this process's), with this process's own figures added (connections, its CPU and memory; `server_process`);
   past the wait the last copy serves, and none older than a minute: a wedged agent shows as a failed scrape;
 - for /ready?pod=, the pod's devices (`RemotePods`): the agent reads the kubelet's ledger; past LEDGER_WAIT_SECONDS
@@ -57,7 +57,9 @@ log = logging.getLogger(__name__)
 
 REPORT_SILENT_SECONDS = 10.0  # the agent reports every second; this long without one, /healthz fails
 RENDERING_MAX_AGE_SECONDS = 1.0  # a copy of /metrics or /status this young, of the snapshot held, is served as is
-RENDERING_WAIT_SECONDS = 2.0  # an older one is asked for again and waited for this long; then the last copy serves
+# An older one is asked for again and waited for this long (the agent's process renders it among its probe threads,
+# under its share of the CPU limit); then the last copy serves.
+RENDERING_WAIT_SECONDS = 3.0
 RENDERING_ASK_AGAIN_SECONDS = 5.0  # an ask unanswered this long is made again
 RENDERING_GIVE_UP_SECONDS = 60.0  # a copy this old is not served (503)
 POD_ANSWER_MARGIN_SECONDS = 1.0  # beyond the agent's own LEDGER_WAIT_SECONDS: its CPU may be throttled
@@ -94,6 +96,7 @@ class Setup:
     snapshot: Snapshot
     report: Report
     metrics: bytes
+    status: bytes
     cgroup_procs: str | None = None  # the cgroup this process serves from (the agent's children's is not it)
 
 
@@ -122,7 +125,7 @@ class Replica:
         self._reported = time.monotonic()
         version = lambda: self._snapshot.version  # noqa: E731 - read when asked
         self.metrics = Rendering("metrics", ask_metrics, version, (setup.metrics, setup.snapshot.version))
-        self.status = Rendering("status", ask_status, version)
+        self.status = Rendering("status", ask_status, version, (setup.status, setup.snapshot.version))
         self.agent_pid = setup.agent_pid
 
     # StateView

@@ -75,6 +75,7 @@ def setup_of(state: HealthState, metrics: bytes = b"# agent\n") -> Setup:
         snapshot=state.current(),
         report=Report(True, {"problems": []}, frozenset({"storage.space"})),
         metrics=metrics,
+        status=b'{"from": "setup"}',
     )
 
 
@@ -151,13 +152,16 @@ def test_the_channel_refuses_frames_no_request_can_be() -> None:
     agent_end.close()
 
 
-def test_a_status_the_agent_never_renders_is_a_503_not_a_wait_forever() -> None:
+def test_a_status_the_agent_does_not_render_again_is_its_last_copy_then_a_503_not_a_wait_forever() -> None:
     replica = Replica(setup_of(healthy_state()), lambda: None, lambda: None)
 
     async def ask() -> bytes | None:
         return await asyncio.wait_for(replica.status_document(), 10)
 
-    assert asyncio.run(ask()) is None  # no copy at all: HttpServer answers 503 for None
+    first = json.loads(asyncio.run(ask()) or b"")
+    assert first["from"] == "setup" and first["server_process"]["agent_pid"] == os.getpid()
+    replica.status._copy = (b'{"from": "setup"}', time.monotonic() - RENDERING_GIVE_UP_SECONDS - 1, 1)
+    assert asyncio.run(ask()) is None  # HttpServer answers 503 for None
 
 
 # --- as processes ----------------------------------------------------------------------------------
